@@ -70,9 +70,14 @@ def load_config(path: str, world_size: int) -> dict:
         raise ConfigError(f"config file {path!r} not found") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
+    validate(cfg, world_size)
+    return cfg
+
+
+def validate(cfg: dict, world_size: int) -> None:
+    """Raise ConfigError naming the first field that breaks a rule; resolve `parallelism.tp`."""
     check_keys_and_types(cfg)
     check_values(cfg, world_size)
-    return cfg
 
 
 def check_keys_and_types(cfg: dict) -> None:
@@ -242,6 +247,34 @@ def evaluate(model, data: torch.Tensor, cfg: dict, device: torch.device) -> floa
     return sum(losses) / max(1, len(losses))
 
 
+def build_training(cfg: dict, device: torch.device):
+    """The seeded model, parallelized (TP over all ranks when there are several), its
+    AdamW optimizer (torchtitan's betas and weight decay) and the LR schedule."""
+    t = cfg["training"]
+    torch.manual_seed(t["seed"])
+    model = build_model(cfg["model"], cfg["parallelism"]["decoder_layer"]).to(device)
+    tp = cfg["parallelism"]["tp"]
+    tp_mesh = build_tp_mesh(tp, device.type) if tp > 1 else None
+    parallelize(model, tp_mesh, cfg)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t["warmup_steps"], t["steps"]))
+    return model, optimizer, scheduler
+
+
+def train_step(model, optimizer, scheduler, x, y, max_norm: float) -> tuple[float, float]:
+    """One forward/backward/update; returns (loss, grad norm before clipping)."""
+    logits = forward_logits(model, x)
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+    loss.backward()
+    # torchtitan's clip_grad_norm_ reduces the norm of DTensor (TP-sharded) gradients correctly.
+    grad_norm = clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item(), grad_norm.item()  # .item() also waits for the step to finish
+
+
 def main() -> None:
     t_start = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -259,22 +292,13 @@ def main() -> None:
     rank, world_size, device = init_distributed()
     log = print if rank == 0 else (lambda *a, **k: None)
     t, comp = cfg["training"], cfg["compile"]
-    tp = cfg["parallelism"]["tp"]
-    log(f"torch {torch.__version__} | {world_size} rank(s) on {device.type} | TP={tp} | "
+    log(f"torch {torch.__version__} | {world_size} rank(s) on {device.type} | TP={cfg['parallelism']['tp']} | "
         f"layer={cfg['parallelism']['decoder_layer']} | AC={cfg['activation_checkpoint']['mode']} | "
         f"compile={'per-block ' + comp['backend'] if comp['enable'] else 'off'}")
 
-    torch.manual_seed(t["seed"])
     train_data, held_out = load_stdlib_bytes(cfg["data"]["max_bytes"])
     log(f"data: {len(train_data):,} train bytes, {len(held_out):,} held-out bytes of the Python stdlib")
-
-    model = build_model(cfg["model"], cfg["parallelism"]["decoder_layer"]).to(device)
-    tp_mesh = build_tp_mesh(tp, device.type) if tp > 1 else None
-    parallelize(model, tp_mesh, cfg)
-    model.train()
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t["warmup_steps"], t["steps"]))
+    model, optimizer, scheduler = build_training(cfg, device)
     data_iter = batches(train_data, t["local_batch_size"], t["seq_len"], t["seed"])
     tokens_per_step = t["local_batch_size"] * t["seq_len"]
 
@@ -282,21 +306,15 @@ def main() -> None:
     for step in range(1, t["steps"] + 1):
         step_start = time.perf_counter()
         x, y = (z.to(device) for z in next(data_iter))
-        logits = forward_logits(model, x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        loss.backward()
-        grad_norm = clip_grad_norm_(model.parameters(), t["max_norm"])
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())  # also waits for the step to finish
+        loss, grad_norm = train_step(model, optimizer, scheduler, x, y, t["max_norm"])
+        losses.append(loss)
         step_times.append(time.perf_counter() - step_start)
         if step == 1:
             time_to_first_step = time.perf_counter() - t_start
             if comp["enable"] and comp["fail_on_recompile"]:
                 # Every block has now been compiled; any further compile is a recompile.
                 torch.compiler.set_stance("fail_on_recompile")
-        log(f"step {step:3d} | loss {losses[-1]:.4f} | grad norm {grad_norm.item():.3f} | "
+        log(f"step {step:3d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | "
             f"{tokens_per_step / step_times[-1]:7.0f} tokens/s | {time.perf_counter() - t_start:6.1f} s")
 
     held_out_loss = evaluate(model, held_out, cfg, device)
@@ -315,10 +333,10 @@ def main() -> None:
     log(f"  compiled graphs      {graphs} for {cfg['model']['num_hidden_layers']} blocks")
     log(f"  recompiles           {recompiles}")
     log(f"  loss                 {losses[0]:.4f} -> {losses[-1]:.4f} (held-out {held_out_loss:.4f})")
-    if not all(math.isfinite(v) for v in losses):
-        raise RuntimeError("non-finite loss during training")
     if world_size > 1:
         dist.destroy_process_group()
+    if not all(math.isfinite(v) for v in losses):
+        sys.exit("error: non-finite loss during training")
 
 
 if __name__ == "__main__":
