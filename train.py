@@ -196,8 +196,10 @@ def init_distributed() -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    if world_size > 1 and device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device)
+    elif world_size > 1:
+        dist.init_process_group("gloo")
     return rank, world_size, device
 
 
@@ -209,7 +211,8 @@ def peak_memory_mib(device: torch.device) -> float:
 
 def dynamo_compile_counts() -> tuple[int, int]:
     """(graphs, recompiles) as Dynamo counted them. Only the blocks are compiled, so every
-    graph is block code; a recompile is any compile of a frame Dynamo had compiled before."""
+    graph is block code. Dynamo numbers each compile of a frame (the "1/2" in its compile ids);
+    every compile after a frame's first is a recompile."""
     from torch._dynamo.convert_frame import FRAME_COMPILE_COUNTER
     from torch._dynamo.utils import counters
 
