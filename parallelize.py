@@ -58,7 +58,7 @@ def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str) -
             "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
         },
     )
-    _materialize_embedding_output(model.model.embed_tokens)
+    materialize_embedding_output(model.model.embed_tokens)
 
     for block in model.model.layers:
         parallelize_module(
@@ -99,7 +99,7 @@ def _attention_input_style(decoder_layer: str) -> PrepareModuleInput:
     raise ValueError(f"decoder_layer must be 'positional' or 'stock', got {decoder_layer!r}")
 
 
-def _materialize_embedding_output(embedding: nn.Module) -> None:
+def materialize_embedding_output(embedding: nn.Module) -> None:
     """Workaround, torch 2.13-2.14 (seen on both): the TP embedding's reduce-scatter output is
     an `AsyncCollectiveTensor`. Fed to the first compiled block it costs one extra graph
     (block 0 sees a different tensor type than the others) and AOTAutograd's backward fails
@@ -108,18 +108,18 @@ def _materialize_embedding_output(embedding: nn.Module) -> None:
     embedding.register_forward_hook(lambda _module, _inputs, output: output.clone())
 
 
+# torchtitan's op-level selective-AC save list names the CUDA SDPA kernels only; add CPU's.
+OP_SAC_SAVE_LIST = _op_sac_save_list | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
 def apply_ac(model: LlamaForCausalLM, mode: str, selective_option: str, compile_enabled: bool) -> None:
     """torchtitan's `apply_ac`, which wraps each child of `model.model.layers`."""
     titan_apply_ac(
         model.model,
         ACConfig(mode=mode, selective_ac_option=selective_option),
         model_compile_enabled=compile_enabled,
-        op_sac_save_list=_op_sac_save_list | _CPU_SDPA_OPS,
+        op_sac_save_list=OP_SAC_SAVE_LIST,
     )
-
-
-# torchtitan's op-level selective-AC save list names the CUDA SDPA kernels only.
-_CPU_SDPA_OPS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
 def apply_compile(model: LlamaForCausalLM, backend: str) -> None:

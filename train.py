@@ -265,9 +265,9 @@ def build_training(cfg: dict, device: torch.device):
     return model, optimizer, scheduler
 
 
-def train_step(model, optimizer, scheduler, x, y, max_norm: float) -> tuple[float, float]:
+def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forward_logits) -> tuple[float, float]:
     """One forward/backward/update; returns (loss, grad norm before clipping)."""
-    logits = forward_logits(model, x)
+    logits = forward(model, x)
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
     loss.backward()
     # torchtitan's clip_grad_norm_ reduces the norm of DTensor (TP-sharded) gradients correctly.

@@ -1,0 +1,216 @@
+"""Benchmark: this project's HF path against torchtitan's native llama3 debugmodel.
+
+    python bench.py --quick                       # under 10 minutes on 2 CPU cores
+    python bench.py --seq-len 2048 --batch 2      # the long-sequence comparison
+
+Variants, same shapes, data, seed, optimizer, TP degree, full AC and inductor per block:
+  patched  train.py's model with PositionalLlamaDecoderLayer (the fix)
+  stock    train.py's model with HF's LlamaDecoderLayer and the input_kwarg_layouts plan
+  eager    patched, without compile
+  titan    torchtitan.models.llama3 debugmodel with torchtitan's apply_tp/apply_ac/apply_compile
+Each run is its own torchrun process group. A cold round (empty inductor cache) comes first,
+then warm rounds (cache kept); within a round the variants alternate, so drift hits all alike.
+"""
+
+import time
+
+T_START = time.perf_counter()  # time to first step counts the imports too
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+VARIANTS = ("patched", "stock", "eager", "titan")
+RESULT_TAG = "BENCH_RESULT "
+
+
+# -----------------------------------------------------------------------------
+# worker: one variant, one torchrun process group
+
+
+def hf_config(variant: str, args) -> dict:
+    import tomllib
+
+    with open(HERE / "config.toml", "rb") as f:
+        cfg = tomllib.load(f)
+    cfg["training"].update(steps=args.steps, local_batch_size=args.batch, seq_len=args.seq_len)
+    cfg["model"]["max_position_embeddings"] = max(args.seq_len, cfg["model"]["max_position_embeddings"])
+    cfg["parallelism"]["decoder_layer"] = "stock" if variant == "stock" else "positional"
+    cfg["compile"]["enable"] = variant != "eager"
+    cfg["compile"]["fail_on_recompile"] = False  # the benchmark counts recompiles instead
+    return cfg
+
+
+def build_titan(cfg: dict, device):
+    """torchtitan's llama3 debugmodel, parallelized by torchtitan's own functions."""
+    import torch
+    from torchtitan.config.job_config import ActivationCheckpoint, Compile
+    from torchtitan.models.llama3 import Transformer, llama3_args
+    from torchtitan.models.llama3.infra.parallelize import apply_ac, apply_compile, apply_tp
+
+    from parallelize import OP_SAC_SAVE_LIST, materialize_embedding_output, build_tp_mesh
+    from train import lr_lambda
+
+    t = cfg["training"]
+    args = dataclasses.replace(llama3_args["debugmodel"], max_seq_len=t["seq_len"])
+    torch.manual_seed(t["seed"])
+    model = Transformer(args).to(device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    tp = cfg["parallelism"]["tp"]
+    if tp > 1:
+        apply_tp(model, build_tp_mesh(tp, device.type), loss_parallel=False, enable_float8_tensorwise_tp=False)
+        # torchtitan's own model hits the same AsyncCollectiveTensor backward failure on torch 2.14.1.
+        materialize_embedding_output(model.tok_embeddings)
+    apply_ac(model, ActivationCheckpoint(mode="full"), model_compile_enabled=True,
+             op_sac_save_list=OP_SAC_SAVE_LIST)
+    apply_compile(model, Compile(enable=True, backend="inductor"))
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t["warmup_steps"], t["steps"]))
+    return model, optimizer, scheduler
+
+
+def worker(variant: str, args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import train
+
+    rank, world_size, device = train.init_distributed()
+    cfg = hf_config(variant, args)
+    train.validate(cfg, world_size)
+    t = cfg["training"]
+    data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
+    if variant == "titan":
+        model, optimizer, scheduler = build_titan(cfg, device)
+        forward = lambda model, x: model(x)  # noqa: E731
+    else:
+        model, optimizer, scheduler = train.build_training(cfg, device)
+        forward = train.forward_logits
+    batches = train.batches(data, t["local_batch_size"], t["seq_len"], t["seed"])
+    losses, step_times = [], []
+    for step in range(t["steps"]):
+        start = time.perf_counter()
+        x, y = (z.to(device) for z in next(batches))
+        losses.append(train.train_step(model, optimizer, scheduler, x, y, t["max_norm"], forward)[0])
+        step_times.append(time.perf_counter() - start)
+        if step == 0:
+            time_to_first_step = time.perf_counter() - T_START
+    peaks = [None] * world_size
+    dist.all_gather_object(peaks, train.peak_memory_mib(device))
+    graphs, recompiles = train.dynamo_compile_counts()
+    if rank == 0:
+        tokens = t["local_batch_size"] * t["seq_len"]
+        result = dict(variant=variant, time_to_first_step=time_to_first_step,
+                      tokens_per_s=tokens / statistics.median(step_times[2:]), peak_mib=peaks,
+                      graphs=graphs, recompiles=recompiles, first_loss=losses[0], last_loss=losses[-1])
+        print(RESULT_TAG + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+# -----------------------------------------------------------------------------
+# driver: cold round, warm rounds, one table
+
+
+def run_variant(variant: str, args, cache_dir: Path) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+           str(Path(__file__).resolve()), "--worker", variant, "--seq-len", str(args.seq_len),
+           "--batch", str(args.batch), "--steps", str(args.steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    lines = (proc.stdout + proc.stderr).splitlines()
+    errors = [line for line in lines if "Error:" in line and "ChildFailedError" not in line]
+    return dict(variant=variant, error=(errors or lines or ["no output"])[-1])
+
+
+def describe(r: dict) -> str:
+    if "error" in r:
+        return f"FAILED: {r['error']}"
+    return (f"first step {r['time_to_first_step']:.1f} s, {r['tokens_per_s']:.0f} tokens/s, "
+            f"graphs {r['graphs']}, recompiles {r['recompiles']}")
+
+
+def summarize(cold: dict, warm: list[dict]) -> dict:
+    runs = [cold] + warm
+    return dict(cold_ttfs=cold["time_to_first_step"],
+                warm_ttfs=statistics.median(r["time_to_first_step"] for r in warm) if warm else float("nan"),
+                tokens_per_s=statistics.median(r["tokens_per_s"] for r in runs),
+                peak_mib=max(max(r["peak_mib"]) for r in runs), graphs=cold["graphs"],
+                recompiles=cold["recompiles"], first_loss=cold["first_loss"], last_loss=cold["last_loss"])
+
+
+def print_table(rows: dict, args) -> None:
+    import torch
+    import torchtitan
+    import transformers
+
+    print(f"\n{os.cpu_count()} CPU cores, {args.nproc} ranks (TP={args.nproc}), batch {args.batch}, "
+          f"seq {args.seq_len}, {args.steps} steps, {args.warm_rounds} warm round(s); torch {torch.__version__}, "
+          f"torchtitan {torchtitan.__version__}, transformers {transformers.__version__}")
+    print("| variant | first step cold (s) | first step warm (s) | steady tokens/s | vs titan | "
+          "peak MiB/rank | graphs | recompiles | loss first -> last |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    titan = rows.get("titan")
+    for name, r in rows.items():
+        if "error" in r:
+            print(f"| {name} | failed: {r['error'][:200]} |||||||")
+            continue
+        ratio = f"{r['tokens_per_s'] / titan['tokens_per_s']:.2f}x" if titan and "error" not in titan else "-"
+        print(f"| {name} | {r['cold_ttfs']:.1f} | {r['warm_ttfs']:.1f} | {r['tokens_per_s']:.0f} | {ratio} | "
+              f"{r['peak_mib']:.0f} | {r['graphs']} | {r['recompiles']} | "
+              f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="8 steps, one warm round")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=None, help="default 20 (8 with --quick)")
+    parser.add_argument("--warm-rounds", type=int, default=None, help="default 2 (1 with --quick)")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.steps = args.steps or (8 if args.quick else 20)
+    if args.steps < 3:
+        parser.error("--steps must be >= 3: the steady rate is the median after two warm-up steps")
+    if args.worker:
+        return worker(args.worker, args)
+    args.warm_rounds = args.warm_rounds if args.warm_rounds is not None else (1 if args.quick else 2)
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+
+    cache_root = Path(tempfile.mkdtemp(prefix="bench-inductor-"))
+    runs = {v: [] for v in variants}
+    try:
+        for round_ in range(1 + args.warm_rounds):
+            for v in variants:  # alternate the variants within each round
+                if round_ == 0:
+                    shutil.rmtree(cache_root / v, ignore_errors=True)  # cold: an empty cache
+                r = run_variant(v, args, cache_root / v)
+                print(f"round {round_} ({'cold' if round_ == 0 else 'warm'}) {v}: {describe(r)}", flush=True)
+                runs[v].append(r)
+    finally:
+        shutil.rmtree(cache_root, ignore_errors=True)
+    rows = {v: rs[0] if "error" in rs[0] else summarize(rs[0], [r for r in rs[1:] if "error" not in r])
+            for v, rs in runs.items()}
+    print_table(rows, args)
+
+
+if __name__ == "__main__":
+    main()
