@@ -105,8 +105,10 @@ def worker(variant: str, args) -> None:
         step_times.append(time.perf_counter() - start)
         if step == 0:
             time_to_first_step = time.perf_counter() - T_START
-    peaks = [None] * world_size
-    dist.all_gather_object(peaks, train.peak_memory_mib(device))
+    peaks = [train.peak_memory_mib(device)]
+    if world_size > 1:
+        peaks = [None] * world_size
+        dist.all_gather_object(peaks, train.peak_memory_mib(device))
     graphs, recompiles = train.dynamo_compile_counts()
     if rank == 0:
         tokens = t["local_batch_size"] * t["seq_len"]
@@ -114,7 +116,8 @@ def worker(variant: str, args) -> None:
                       tokens_per_s=tokens / statistics.median(step_times[2:]), peak_mib=peaks,
                       graphs=graphs, recompiles=recompiles, first_loss=losses[0], last_loss=losses[-1])
         print(RESULT_TAG + json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    if world_size > 1:
+        dist.destroy_process_group()
 
 
 # -----------------------------------------------------------------------------
