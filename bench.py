@@ -42,6 +42,7 @@ def hf_config(variant: str, args) -> dict:
     with open(HERE / "config.toml", "rb") as f:
         cfg = tomllib.load(f)
     cfg["training"].update(steps=args.steps, local_batch_size=args.batch, seq_len=args.seq_len)
+    cfg["model"]["num_hidden_layers"] = args.layers
     cfg["model"]["max_position_embeddings"] = max(args.seq_len, cfg["model"]["max_position_embeddings"])
     cfg["parallelism"]["decoder_layer"] = "stock" if variant == "stock" else "positional"
     cfg["compile"]["enable"] = variant != "eager"
@@ -60,7 +61,8 @@ def build_titan(cfg: dict, device):
     from train import lr_lambda
 
     t = cfg["training"]
-    args = dataclasses.replace(llama3_args["debugmodel"], max_seq_len=t["seq_len"])
+    args = dataclasses.replace(llama3_args["debugmodel"], max_seq_len=t["seq_len"],
+                               n_layers=cfg["model"]["num_hidden_layers"])
     torch.manual_seed(t["seed"])
     model = Transformer(args).to(device)
     with torch.no_grad():
@@ -128,7 +130,7 @@ def run_variant(variant: str, args, cache_dir: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
            str(Path(__file__).resolve()), "--worker", variant, "--seq-len", str(args.seq_len),
-           "--batch", str(args.batch), "--steps", str(args.steps)]
+           "--batch", str(args.batch), "--steps", str(args.steps), "--layers", str(args.layers)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
@@ -159,7 +161,8 @@ def print_table(rows: dict, args) -> None:
     import torchtitan
     import transformers
 
-    print(f"\n{os.cpu_count()} CPU cores, {args.nproc} ranks (TP={args.nproc}), batch {args.batch}, "
+    print(f"\n{os.cpu_count()} CPU cores, {args.nproc} ranks (TP={args.nproc}), {args.layers} layers, "
+          f"batch {args.batch}, "
           f"seq {args.seq_len}, {args.steps} steps, {args.warm_rounds} warm round(s); torch {torch.__version__}, "
           f"torchtitan {torchtitan.__version__}, transformers {transformers.__version__}")
     print("| variant | first step cold (s) | first step warm (s) | steady tokens/s | vs titan | "
@@ -183,6 +186,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=None, help="default 20 (8 with --quick)")
     parser.add_argument("--warm-rounds", type=int, default=None, help="default 2 (1 with --quick)")
+    parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
