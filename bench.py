@@ -135,8 +135,10 @@ def run_variant(variant: str, args, cache_dir: Path) -> dict:
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
             return json.loads(line[len(RESULT_TAG):])
+    # The exception line closes rank 0's traceback: the last unindented "[rank0]: " line.
     lines = (proc.stdout + proc.stderr).splitlines()
-    errors = [line for line in lines if "Error:" in line and "ChildFailedError" not in line]
+    errors = [line[len("[rank0]: "):] for line in lines
+              if line.startswith("[rank0]: ") and not line[len("[rank0]: "):].startswith((" ", "^"))]
     return dict(variant=variant, error=(errors or lines or ["no output"])[-1])
 
 
@@ -150,7 +152,7 @@ def describe(r: dict) -> str:
 def summarize(cold: dict, warm: list[dict]) -> dict:
     runs = [cold] + warm
     return dict(cold_ttfs=cold["time_to_first_step"],
-                warm_ttfs=statistics.median(r["time_to_first_step"] for r in warm) if warm else float("nan"),
+                warm_ttfs=statistics.median(r["time_to_first_step"] for r in warm) if warm else None,
                 tokens_per_s=statistics.median(r["tokens_per_s"] for r in runs),
                 peak_mib=max(max(r["peak_mib"]) for r in runs), graphs=cold["graphs"],
                 recompiles=cold["recompiles"], first_loss=cold["first_loss"], last_loss=cold["last_loss"])
@@ -174,7 +176,8 @@ def print_table(rows: dict, args) -> None:
             print(f"| {name} | failed: {r['error'][:200]} |||||||")
             continue
         ratio = f"{r['tokens_per_s'] / titan['tokens_per_s']:.2f}x" if titan and "error" not in titan else "-"
-        print(f"| {name} | {r['cold_ttfs']:.1f} | {r['warm_ttfs']:.1f} | {r['tokens_per_s']:.0f} | {ratio} | "
+        warm = f"{r['warm_ttfs']:.1f}" if r["warm_ttfs"] is not None else "-"
+        print(f"| {name} | {r['cold_ttfs']:.1f} | {warm} | {r['tokens_per_s']:.0f} | {ratio} | "
               f"{r['peak_mib']:.0f} | {r['graphs']} | {r['recompiles']} | "
               f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
 
@@ -202,6 +205,10 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
 
+    # Read the libraries once, untimed, so that the first cold run does not also pay for
+    # loading them from disk into the OS page cache.
+    subprocess.run([sys.executable, "-c", "import torch, torchtitan.distributed, transformers, train"],
+                   cwd=HERE, check=True)
     cache_root = Path(tempfile.mkdtemp(prefix="bench-inductor-"))
     runs = {v: [] for v in variants}
     try:
