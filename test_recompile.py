@@ -301,3 +301,15 @@ def test_torchrun_trains_with_one_graph_and_falling_loss(tmp_path):
     assert "recompiles           0" in out, out
     losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_bench_reports_one_graph_for_patched_and_torchtitan_native():
+    cmd = [sys.executable, str(HERE / "bench.py"), "--steps", "3", "--warm-rounds", "0", "--seq-len", "64",
+           "--batch", "2", "--layers", "2", "--variants", "patched,titan"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.split("|")[1:-1]]
+            for line in proc.stdout.splitlines() if line.startswith(("| patched", "| titan")))}
+    assert rows.keys() == {"patched", "titan"}, proc.stdout
+    for name, cells in rows.items():
+        assert cells[6:8] == ["1", "0"], f"{name}: graphs/recompiles {cells[6:8]}\n{proc.stdout}"
