@@ -57,8 +57,8 @@ def build_titan(cfg: dict, device):
     from torchtitan.models.llama3 import Transformer, llama3_args
     from torchtitan.models.llama3.infra.parallelize import apply_ac, apply_compile, apply_tp
 
-    from parallelize import OP_SAC_SAVE_LIST, materialize_embedding_output, build_tp_mesh
-    from train import lr_lambda
+    from parallelize import OP_SAC_SAVE_LIST, build_tp_mesh, materialize_embedding_output
+    from train import build_optimizer
 
     t = cfg["training"]
     args = dataclasses.replace(llama3_args["debugmodel"], max_seq_len=t["seq_len"],
@@ -76,9 +76,7 @@ def build_titan(cfg: dict, device):
              op_sac_save_list=OP_SAC_SAVE_LIST)
     apply_compile(model, Compile(enable=True, backend="inductor"))
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t["warmup_steps"], t["steps"]))
-    return model, optimizer, scheduler
+    return model, *build_optimizer(model, t)
 
 
 def worker(variant: str, args) -> None:
@@ -107,10 +105,7 @@ def worker(variant: str, args) -> None:
         step_times.append(time.perf_counter() - start)
         if step == 0:
             time_to_first_step = time.perf_counter() - T_START
-    peaks = [train.peak_memory_mib(device)]
-    if world_size > 1:
-        peaks = [None] * world_size
-        dist.all_gather_object(peaks, train.peak_memory_mib(device))
+    peaks = train.peak_memory_per_rank_mib(device, world_size)
     graphs, recompiles = train.dynamo_compile_counts()
     if rank == 0:
         tokens = t["local_batch_size"] * t["seq_len"]

@@ -203,10 +203,17 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world_size, device
 
 
-def peak_memory_mib(device: torch.device) -> float:
+def peak_memory_per_rank_mib(device: torch.device, world_size: int) -> list[float]:
+    """Every rank's peak: CUDA's max allocated, or on CPU the process's max RSS."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux: KiB
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux: KiB
+    if world_size == 1:
+        return [peak]
+    peaks = [None] * world_size
+    dist.all_gather_object(peaks, peak)
+    return peaks
 
 
 def dynamo_compile_counts() -> tuple[int, int]:
@@ -252,7 +259,7 @@ def evaluate(model, data: torch.Tensor, cfg: dict, device: torch.device) -> floa
 
 def build_training(cfg: dict, device: torch.device):
     """The seeded model, parallelized (TP over all ranks when there are several), its
-    AdamW optimizer (torchtitan's betas and weight decay) and the LR schedule."""
+    optimizer and its LR schedule."""
     t = cfg["training"]
     torch.manual_seed(t["seed"])
     model = build_model(cfg["model"], cfg["parallelism"]["decoder_layer"]).to(device)
@@ -260,9 +267,14 @@ def build_training(cfg: dict, device: torch.device):
     tp_mesh = build_tp_mesh(tp, device.type) if tp > 1 else None
     parallelize(model, tp_mesh, cfg)
     model.train()
+    return model, *build_optimizer(model, t)
+
+
+def build_optimizer(model, t: dict):
+    """AdamW with torchtitan's betas and weight decay, and the warm-up + linear-decay schedule."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=(0.9, 0.95), weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t["warmup_steps"], t["steps"]))
-    return model, optimizer, scheduler
+    return optimizer, scheduler
 
 
 def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forward_logits) -> tuple[float, float]:
@@ -322,10 +334,7 @@ def main() -> None:
 
     held_out_loss = evaluate(model, held_out, cfg, device)
     steady = step_times[2:] or step_times[1:] or step_times
-    peaks = [peak_memory_mib(device)]
-    if world_size > 1:
-        peaks = [None] * world_size
-        dist.all_gather_object(peaks, peak_memory_mib(device))
+    peaks = peak_memory_per_rank_mib(device, world_size)
     graphs, recompiles = dynamo_compile_counts()
     memory_kind = "max allocated" if device.type == "cuda" else "max RSS"
     log("summary:")
