@@ -57,7 +57,7 @@ def build_titan(cfg: dict, device):
     from torchtitan.models.llama3 import Transformer, llama3_args
     from torchtitan.models.llama3.infra.parallelize import apply_ac, apply_compile, apply_tp
 
-    from parallelize import OP_SAC_SAVE_LIST, build_tp_mesh, materialize_embedding_output
+    from parallelize import OP_SAC_SAVE_LIST, build_parallel_dims, materialize_embedding_output
     from train import build_optimizer
 
     t = cfg["training"]
@@ -69,7 +69,8 @@ def build_titan(cfg: dict, device):
         model.init_weights(buffer_device=device)
     tp = cfg["parallelism"]["tp"]
     if tp > 1:
-        apply_tp(model, build_tp_mesh(tp, device.type), loss_parallel=False, enable_float8_tensorwise_tp=False)
+        tp_mesh = build_parallel_dims(1, tp, device.type).get_mesh("tp")
+        apply_tp(model, tp_mesh, loss_parallel=False, enable_float8_tensorwise_tp=False)
         # torchtitan's own model hits the same AsyncCollectiveTensor backward failure on torch 2.14.1.
         materialize_embedding_output(model.tok_embeddings)
     apply_ac(model, ActivationCheckpoint(mode="full"), model_compile_enabled=True,
@@ -83,18 +84,19 @@ def worker(variant: str, args) -> None:
     import torch
     import torch.distributed as dist
 
+    import config
     import train
 
     rank, world_size, device = train.init_distributed()
     cfg = hf_config(variant, args)
-    train.validate(cfg, world_size)
+    config.validate(cfg, world_size)
     t = cfg["training"]
     data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
     if variant == "titan":
         model, optimizer, scheduler = build_titan(cfg, device)
         forward = lambda model, x: model(x)  # noqa: E731
     else:
-        model, optimizer, scheduler = train.build_training(cfg, device)
+        model, optimizer, scheduler = train.build_training(cfg, device, train.build_mesh(cfg, world_size, device))
         forward = train.forward_logits
     batches = train.batches(data, t["local_batch_size"], t["seq_len"], t["seed"])
     losses, step_times = [], []

@@ -1,13 +1,16 @@
-"""Tensor Parallel + sequence parallel, activation checkpointing and per-block compile.
+"""Tensor Parallel + sequence parallel, activation checkpointing, per-block compile and FSDP2.
 
-One function per parallelism, applied in torchtitan's order (TP, then AC, then compile),
-each one calling torchtitan's or torch's primitive on the HF module names.
+One function per parallelism, applied in torchtitan's order (TP, then AC, then compile, then
+FSDP), each one calling torchtitan's or torch's primitive on the HF module names.
 """
+
+import warnings
 
 import torch
 import torch.nn as nn
 import torchtitan.distributed.parallel_dims
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -25,14 +28,17 @@ from torchtitan.models.llama3.infra.parallelize import apply_compile as titan_ap
 from transformers import LlamaForCausalLM
 
 
-def build_tp_mesh(world_size: int, device_type: str) -> DeviceMesh:
-    """The TP mesh over all ranks, built by torchtitan's `ParallelDims`."""
+def build_parallel_dims(dp_shard: int, tp: int, device_type: str) -> ParallelDims:
+    """The (dp_shard, tp) mesh, built by torchtitan's `ParallelDims`. TP is the innermost
+    dimension, so a TP group is made of neighbouring ranks: with tp = GPUs per node, the GPUs
+    of one node. `get_optional_mesh("tp")`, `("fsdp")` and `("batch")` give the 1D meshes
+    (None for a degree of 1)."""
     _set_titan_mesh_device_type(device_type)
     parallel_dims = ParallelDims(
-        dp_replicate=1, dp_shard=1, cp=1, tp=world_size, pp=1, ep=1, etp=1, world_size=world_size
+        dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=dp_shard * tp
     )
     parallel_dims.build_mesh()
-    return parallel_dims.get_mesh("tp")
+    return parallel_dims
 
 
 def _set_titan_mesh_device_type(device_type: str) -> None:
@@ -128,12 +134,51 @@ def apply_compile(model: LlamaForCausalLM, backend: str) -> None:
     titan_apply_compile(model.model, CompileConfig(enable=True, backend=backend))
 
 
-def parallelize(model: LlamaForCausalLM, tp_mesh: DeviceMesh | None, cfg: dict) -> None:
-    """TP (when there is a mesh), AC, compile: torchtitan's order."""
+def apply_fsdp(model: LlamaForCausalLM, dp_mesh: DeviceMesh, param_dtype: str, reduce_dtype: str) -> None:
+    """FSDP2, torchtitan 0.2.2's `apply_fsdp` (no PP, "default" reshard policy) on HF names.
+
+    torchtitan's function hard-codes its own module names (`tok_embeddings`, `layers`,
+    `norm`, `output`), so its calls are written out here: the embedding, each block, final
+    norm + lm_head as one group (not resharded after forward: backward needs them first),
+    then the root. Parameters already sharded by TP become 2D DTensors (dp_shard x tp).
+
+    It runs after compile, as in torchtitan: each block is then torch.compile's wrapper, and
+    FSDP's own `with_kwargs=True` pre-hooks sit on that wrapper, outside the traced frame, so
+    they add no per-block guard. The other order (fully_shard, then compile) fails on torch
+    2.10.0 with `Unsupported: Attempted to call function marked as skipped`.
+
+    Gradients keep FSDP's default average over the dp ranks: every token counts (no padding)
+    and every rank has the same batch size, so that is the global mean, which torchtitan
+    gets by dividing by the global token count with FSDP's division turned off.
+    """
+    _silence_fsdp_view_output_warning()
+    mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=getattr(torch, reduce_dtype))
+    fsdp_config = {"mesh": dp_mesh, "mp_policy": mp_policy}
+    fully_shard(model.model.embed_tokens, **fsdp_config, reshard_after_forward=True)
+    for block in model.model.layers:
+        fully_shard(block, **fsdp_config, reshard_after_forward=True)
+    fully_shard([model.model.norm, model.lm_head], **fsdp_config, reshard_after_forward=False)
+    fully_shard(model, **fsdp_config)
+
+
+def _silence_fsdp_view_output_warning() -> None:
+    """torch 2.14's FSDP2 warns, on every rank, when a sharded module returns a view: an
+    in-place op on it would skip FSDP's pre-backward hook. Here the views are the logits
+    (lm_head's TP output and HF's `hidden_states[:, slice_indices, :]`), which only the loss
+    reads; nothing changes them in place."""
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+
+def parallelize(model: LlamaForCausalLM, parallel_dims: ParallelDims | None, cfg: dict) -> None:
+    """TP, AC, compile, FSDP: torchtitan's order. TP and FSDP only where their degree is > 1."""
+    tp_mesh = parallel_dims.get_optional_mesh("tp") if parallel_dims else None
+    dp_mesh = parallel_dims.get_optional_mesh("fsdp") if parallel_dims else None
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, cfg["parallelism"]["decoder_layer"])
-    ac, comp = cfg["activation_checkpoint"], cfg["compile"]
+    ac, comp, t = cfg["activation_checkpoint"], cfg["compile"], cfg["training"]
     if ac["mode"] != "none":
         apply_ac(model, ac["mode"], ac["selective_ac_option"], comp["enable"])
     if comp["enable"]:
         apply_compile(model, comp["backend"])
+    if dp_mesh is not None:
+        apply_fsdp(model, dp_mesh, t["mixed_precision_param"], t["mixed_precision_reduce"])

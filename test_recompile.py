@@ -1,14 +1,16 @@
 """One compiled graph for all blocks, and what the stock HF layer does instead.
 
-Multi-rank cases run 2 gloo ranks on CPU (torch.multiprocessing.spawn) through the real
-builders: train.build_training (model.py + parallelize.py) and train.train_step. Compile
-counts are read from Dynamo itself. Run: pytest -v test_recompile.py
+Multi-rank cases run gloo ranks on CPU (torch.multiprocessing.spawn): 2 for TP, 4 for
+dp_shard 2 x tp 2, through the real builders: train.build_mesh, train.build_training
+(model.py + parallelize.py) and train.train_step. Compile counts are read from Dynamo itself.
+Run: pytest -v test_recompile.py
 """
 
 import ast
 import functools
 import inspect
 import json
+import math
 import os
 import socket
 import subprocess
@@ -24,10 +26,12 @@ import torch.multiprocessing as mp
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import train
+from config import ConfigError, load_config, parse_args, validate
 from model import PositionalLlamaDecoderLayer, build_model, forward_logits
 
 HERE = Path(__file__).parent
 TP = 2
+DP_SHARD = 2
 STEPS = 3
 # More blocks than Dynamo's recompile_limit (8), so that on a torch with the hook-guard bug
 # the stock layer runs into the limit, as it does in a real model.
@@ -57,24 +61,33 @@ def small_config(**overrides) -> dict:
 
 
 def run_training(cfg: dict, world_size: int, device=torch.device("cpu")) -> dict:
-    """Train STEPS steps with the trainer's own functions; report losses and what Dynamo saw."""
+    """Train STEPS steps with the trainer's own functions; report global-mean losses and what
+    Dynamo saw."""
     from torch._dynamo.utils import guard_failures
 
-    train.validate(cfg, world_size)
+    validate(cfg, world_size)
     data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
     t = cfg["training"]
-    model, optimizer, scheduler = train.build_training(cfg, device)
+    parallel_dims = train.build_mesh(cfg, world_size, device)
+    dp_mesh = parallel_dims.get_optional_mesh("batch") if parallel_dims else None
+    model, optimizer, scheduler = train.build_training(cfg, device, parallel_dims)
+    # FSDP2 puts with_kwargs=True pre-hooks on the modules it shards (outside the compiled
+    # frames); the bug's precondition is one on attention, inside every compiled block.
+    kwargs_hooks = sorted(n for n, m in model.named_modules() if m._forward_pre_hooks_with_kwargs)
     result = {
-        "kwargs_hooks": sorted(n for n, m in model.named_modules() if m._forward_pre_hooks_with_kwargs),
+        "kwargs_hooks": kwargs_hooks,
+        "attention_kwargs_hooks": [n for n in kwargs_hooks if n.endswith("self_attn")],
         "attention_modules": sorted(n for n, m in model.named_modules() if n.endswith("self_attn")),
+        "fsdp_modules": sorted(n for n, m in model.named_modules() if type(m).__name__.startswith("FSDP")),
         "losses": [],
         "error": None,
     }
-    batches = train.batches(data, t["local_batch_size"], t["seq_len"], t["seed"])
+    batches = train.batches(data, t["local_batch_size"], t["seq_len"], t["seed"], *train.data_parallel_rank(dp_mesh))
     try:
         for _ in range(STEPS):
             x, y = next(batches)
-            result["losses"].append(train.train_step(model, optimizer, scheduler, x, y, t["max_norm"])[0])
+            result["losses"].append(
+                train.train_step(model, optimizer, scheduler, x, y, t["max_norm"], dp_mesh=dp_mesh)[0])
     except Exception as e:  # the recompile-limit error under fullgraph=True, on affected torch
         result["error"] = f"{type(e).__name__}: {e}"
     result["graphs"], result["recompiles"] = train.dynamo_compile_counts()
@@ -82,12 +95,12 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu")) -> dict
     return result
 
 
-def _rank_main(rank: int, port: int, cfg: dict, out: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(TP),
+def _rank_main(rank: int, world_size: int, port: int, cfg: dict, out: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    result = run_training(cfg, TP)
+    result = run_training(cfg, world_size)
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -100,11 +113,21 @@ def free_port() -> int:
 
 
 @functools.cache
-def run_tp(tmp_root: str, **overrides) -> dict:
-    """run_training on 2 gloo ranks with `small_config(**overrides)`, rank 0's report."""
-    out = Path(tmp_root) / f"{abs(hash(tuple(sorted(overrides.items()))))}.json"
-    mp.spawn(_rank_main, args=(free_port(), small_config(**overrides), str(out)), nprocs=TP)
+def run_ranks(tmp_root: str, world_size: int, **overrides) -> dict:
+    """run_training on `world_size` gloo ranks with `small_config(**overrides)`, rank 0's report."""
+    out = Path(tmp_root) / f"{world_size}-{abs(hash(tuple(sorted(overrides.items()))))}.json"
+    mp.spawn(_rank_main, args=(world_size, free_port(), small_config(**overrides), str(out)), nprocs=world_size)
     return json.loads(out.read_text())
+
+
+def run_tp(tmp_root: str, **overrides) -> dict:
+    """TP over 2 ranks."""
+    return run_ranks(tmp_root, TP, **overrides)
+
+
+def run_2d(tmp_root: str, **overrides) -> dict:
+    """dp_shard 2 x tp 2 over 4 ranks (TP innermost: ranks {0, 1} and {2, 3} are TP groups)."""
+    return run_ranks(tmp_root, DP_SHARD * TP, **{"parallelism.dp_shard": DP_SHARD, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +172,10 @@ def test_no_kwargs_pre_hook_with_positional_layer_one_per_attention_with_stock(t
 
 
 def test_stock_layer_behaviour_matches_installed_torch(tmp_root):
-    r = stock_tp(tmp_root)
+    assert_stock_layer_behaviour(stock_tp(tmp_root))
+
+
+def assert_stock_layer_behaviour(r: dict) -> None:
     if HOOK_GUARD_BUG:
         # torch < 2.11 guards on the kwargs pre-hook's id, which differs per block.
         assert r["error"] is not None and "recompile_limit" in r["error"], (
@@ -194,6 +220,52 @@ def test_tp_matches_single_process_and_compiled_matches_eager(tmp_root):
     assert tp_eager["losses"] == pytest.approx(single_eager["losses"], abs=1e-4), "TP=2 vs 1 process"
     assert tp_compiled["losses"] == pytest.approx(tp_eager["losses"], abs=1e-4), "compiled vs eager"
     assert single_eager["losses"][-1] < single_eager["losses"][0], "the loss should fall"
+
+
+# FSDP2 x TP: dp_shard 2 x tp 2 on 4 ranks -----------------------------------
+
+GLOBAL_BATCH = {"training.local_batch_size": 2 * DP_SHARD}  # small_config's local batch is 2
+
+
+def test_2d_compiles_one_graph_without_kwargs_pre_hook_on_attention(tmp_root):
+    r = run_2d(tmp_root)
+    assert r["error"] is None, r["error"]
+    sharded = sorted(["", "model.embed_tokens", "model.norm", "lm_head", *(f"model.layers.{i}" for i in range(NUM_BLOCKS))])
+    assert r["fsdp_modules"] == sharded
+    assert r["attention_kwargs_hooks"] == [], "a with_kwargs=True pre-hook on attention is the bug's precondition"
+    assert (r["graphs"], r["recompiles"]) == (1, 0), (
+        f"{r['graphs']} graphs for {NUM_BLOCKS} blocks on dp_shard 2 x tp 2; reasons: {r['recompile_reasons']}")
+
+
+def test_2d_losses_equal_one_process_and_tp_only_with_the_same_global_batch(tmp_root):
+    two_d = run_2d(tmp_root)
+    single_eager = run_training(small_config(**{"compile.enable": False, "parallelism.tp": 1, **GLOBAL_BATCH}),
+                                world_size=1)
+    tp_only = run_tp(tmp_root, **GLOBAL_BATCH)
+    assert two_d["error"] is None and single_eager["error"] is None and tp_only["error"] is None
+    assert two_d["losses"] == pytest.approx(single_eager["losses"], abs=1e-4), "dp_shard 2 x tp 2 vs 1 process"
+    assert two_d["losses"] == pytest.approx(tp_only["losses"], abs=1e-4), "dp_shard 2 x tp 2 vs tp 2"
+    # The global batch really is twice the local one: the 2D run differs from one process
+    # that sees only the local batch.
+    local_only = run_training(small_config(**{"compile.enable": False, "parallelism.tp": 1}), world_size=1)
+    assert abs(two_d["losses"][0] - local_only["losses"][0]) > 1e-3
+
+
+def test_2d_stock_layer_behaviour_matches_installed_torch(tmp_root):
+    r = run_2d(tmp_root, **{"parallelism.decoder_layer": "stock"})
+    assert r["attention_kwargs_hooks"] == r["attention_modules"]
+    assert_stock_layer_behaviour(r)
+
+
+def test_2d_bfloat16_params_compile_one_graph_and_train(tmp_root):
+    bf16 = run_2d(tmp_root, **{"training.mixed_precision_param": "bfloat16", "model.num_hidden_layers": 2})
+    fp32 = run_2d(tmp_root, **{"model.num_hidden_layers": 2})
+    assert bf16["error"] is None, bf16["error"]
+    assert (bf16["graphs"], bf16["recompiles"]) == (1, 0), bf16["recompile_reasons"]
+    assert all(math.isfinite(v) for v in bf16["losses"]), bf16["losses"]
+    # bfloat16 compute gives other losses than float32, close to them: the policy is applied.
+    assert bf16["losses"] != fp32["losses"]
+    assert bf16["losses"] == pytest.approx(fp32["losses"], abs=0.05)
 
 
 # 5. --------------------------------------------------------------------------
@@ -242,8 +314,16 @@ BAD_CONFIGS = [
     ({"model.num_attention_heads": 9, "model.hidden_size": 288, "model.num_key_value_heads": 9},
      "model.num_attention_heads = 9 must be divisible by parallelism.tp = 2"),
     ({"model.intermediate_size": 769}, "model.intermediate_size = 769 must be divisible by parallelism.tp = 2"),
-    ({"parallelism.tp": 3}, "world size 2 must be divisible by parallelism.tp = 3"),
-    ({"parallelism.tp": 1}, "world size 2 must equal parallelism.tp = 1"),
+    ({"parallelism.tp": 3}, "parallelism.dp_shard = 1 × parallelism.tp = 3 must equal the world size 2"),
+    ({"parallelism.tp": 3, "parallelism.dp_shard": -1}, "world size 2 must be divisible by parallelism.tp = 3"),
+    ({"parallelism.tp": 1}, "parallelism.dp_shard = 1 × parallelism.tp = 1 must equal the world size 2"),
+    ({"parallelism.dp_shard": -1}, "parallelism.dp_shard and parallelism.tp are both -1"),
+    ({"parallelism.dp_shard": 0}, "parallelism.dp_shard = 0 must be -1 (the remaining ranks) or >= 1"),
+    ({"parallelism.dp_shard": 3, "parallelism.tp": 2}, "parallelism.dp_shard = 3 × parallelism.tp = 2 must equal"),
+    ({"training.mixed_precision_param": "bfloat16"},
+     "training.mixed_precision_param = 'bfloat16' needs parallelism.dp_shard > 1"),
+    ({"training.mixed_precision_reduce": "float16"},
+     "training.mixed_precision_reduce = 'float16' must be one of ['float32', 'bfloat16']"),
     ({"training.lr": "fast"}, "training.lr = 'fast' must be of type float"),
     ({"compile.enable": 1}, "compile.enable = 1 must be of type bool"),
     ({"training.warmup": 3}, "unknown key training.warmup"),
@@ -257,26 +337,81 @@ def test_bad_config_names_field_and_constraint(overrides, message):
     for dotted, value in overrides.items():
         section, key = dotted.split(".")
         cfg[section][key] = value
-    with pytest.raises(train.ConfigError) as e:
-        train.validate(cfg, world_size=2)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=2)
     assert message in str(e.value)
 
 
-def _torchrun(config_text: str, tmp_path: Path, nproc: int = TP) -> subprocess.CompletedProcess:
-    config = tmp_path / "config.toml"
-    config.write_text(config_text)
+@pytest.mark.parametrize("world_size, dp_shard, tp, resolved", [
+    (2, 1, -1, (1, 2)),   # the default: TP over all ranks
+    (1, 1, -1, (1, 1)),   # python train.py
+    (4, 2, -1, (2, 2)),
+    (4, -1, 2, (2, 2)),
+    (4, -1, 1, (4, 1)),   # FSDP alone
+])
+def test_minus_one_takes_the_ranks_the_other_degree_leaves(world_size, dp_shard, tp, resolved):
+    cfg = small_config(**{"parallelism.dp_shard": dp_shard, "parallelism.tp": tp})
+    validate(cfg, world_size)
+    assert (cfg["parallelism"]["dp_shard"], cfg["parallelism"]["tp"]) == resolved
+
+
+def test_command_line_overrides_are_toml_literals_or_text():
+    path, overrides = parse_args(["--parallelism.dp_shard", "-1", "--training.lr=1e-3", "--compile.enable",
+                                  "false", "--training.mixed_precision_param", "bfloat16", "--config", "c.toml",
+                                  "--data.eval_batches", "2", "--model.attn_implementation", '"sdpa"'])
+    assert path == "c.toml"
+    assert overrides == {"parallelism.dp_shard": -1, "training.lr": 1e-3, "compile.enable": False,
+                         "training.mixed_precision_param": "bfloat16", "data.eval_batches": 2,
+                         "model.attn_implementation": "sdpa"}
+    cfg = load_config(str(HERE / "config.toml"), 4, {"parallelism.dp_shard": 2, "training.steps": 7})
+    assert (cfg["parallelism"]["dp_shard"], cfg["parallelism"]["tp"], cfg["training"]["steps"]) == (2, 2, 7)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--training.warmup", "3"], "unknown key training.warmup; known: steps,"),
+    (["--checkpoints.enable", "true"], "unknown section [checkpoints]"),
+    (["--training.steps", "ten"], "training.steps = 'ten' must be of type int"),
+    (["--training.steps", "2.5"], "training.steps = 2.5 must be of type int"),
+    (["--training.steps"], "--training.steps needs a value"),
+    (["training.steps", "3"], "unexpected argument 'training.steps'"),
+    (["--steps", "3"], "unknown option --steps"),
+])
+def test_bad_override_is_the_same_one_line_error_as_the_file(argv, message):
+    with pytest.raises(ConfigError) as e:
+        path, overrides = parse_args(argv)
+        load_config(str(HERE / "config.toml"), 2, overrides)
+    assert message in str(e.value)
+
+
+def _torchrun_cmd(*train_args: str, launcher: tuple[str, ...] = ()) -> list[str]:
+    launcher = launcher or (f"--nproc_per_node={TP}", f"--master_port={free_port()}")
+    return [sys.executable, "-m", "torch.distributed.run", *launcher, str(HERE / "train.py"), *train_args]
+
+
+def _torchrun(*train_args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={free_port()}", str(HERE / "train.py"), "--config", str(config)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(_torchrun_cmd(*train_args, launcher=launcher), capture_output=True, text=True,
+                          env=env, timeout=600)
 
 
-def test_bad_config_exits_before_training_with_one_line(tmp_path):
-    text = (HERE / "config.toml").read_text().replace("steps = 40", "steps = -1")
-    proc = _torchrun(text, tmp_path)
+def _config_error_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
+
+
+def test_bad_config_file_exits_before_training_with_one_line(tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text((HERE / "config.toml").read_text().replace("steps = 40", "steps = -1"))
+    proc = _torchrun("--config", str(config))
     assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
-    assert errors == ["config error: training.steps = -1 must be positive"], proc.stderr
+    assert _config_error_lines(proc) == ["config error: training.steps = -1 must be positive"], proc.stderr
+    assert "step " not in proc.stdout
+
+
+def test_bad_override_exits_before_training_with_one_line():
+    proc = _torchrun("--parallelism.dp_shard", "3")
+    assert proc.returncode != 0
+    assert _config_error_lines(proc) == [
+        "config error: world size 2 must be divisible by parallelism.dp_shard = 3"], proc.stderr
     assert "step " not in proc.stdout
 
 
@@ -287,20 +422,51 @@ def test_missing_config_file_is_one_clear_line(tmp_path):
     assert proc.stderr.strip() == f"config error: config file '{tmp_path / 'nope.toml'}' not found"
 
 
-def test_torchrun_trains_with_one_graph_and_falling_loss(tmp_path):
-    text = (HERE / "config.toml").read_text()
-    for old, new in (("steps = 40", "steps = 12"), ("num_hidden_layers = 6", "num_hidden_layers = 4"),
-                     ("seq_len = 256", "seq_len = 128")):
-        assert old in text
-        text = text.replace(old, new)
-    proc = _torchrun(text, tmp_path)
+def _losses(out: str) -> list[float]:
+    return [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
+
+
+def test_torchrun_trains_with_one_graph_and_falling_loss():
+    proc = _torchrun("--training.steps", "12", "--model.num_hidden_layers", "4", "--training.seq_len", "128")
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout
     assert out.count("| loss ") == 12, out
     assert "compiled graphs      1 for 4 blocks" in out, out
     assert "recompiles           0" in out, out
-    losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
+    losses = _losses(out)
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_two_nodes_keep_every_tp_group_inside_one_node():
+    """Two torchrun agents on this machine act as two nodes of 2 ranks (c10d rendezvous);
+    with tp 2 each TP group must be the two ranks of one node."""
+    launcher = ("--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=two-nodes")
+    cmd = _torchrun_cmd("--parallelism.tp", "2", "--parallelism.dp_shard", "-1", "--training.steps", "4",
+                        "--model.num_hidden_layers", "2", "--training.seq_len", "64",
+                        "--training.local_batch_size", "2", launcher=launcher)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_LOGS="recompiles")
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-4000:]
+    out = "".join(o for o, _ in outputs)
+    assert "Recompiling function" not in out + "".join(e for _, e in outputs)
+    [groups_line] = [line for line in out.splitlines() if line.startswith("TP groups: ")]
+    groups = {}
+    for group in groups_line[len("TP groups: "):].split(" | "):
+        ranks, where = group.split("] on node ")
+        groups[tuple(int(r) for r in ranks.strip("[").split(", "))] = [int(n) for n in where.split(", ")]
+    assert sorted(groups) == [(0, 1), (2, 3)], groups_line
+    assert all(len(nodes) == 1 for nodes in groups.values()), f"a TP group spans nodes: {groups_line}"
+    assert sorted(n for nodes in groups.values() for n in nodes) == [0, 1], groups_line
+    assert "mesh                 dp_shard 2 × tp 2" in out, out
+    assert "compiled graphs      1 for 2 blocks" in out, out
+    assert "recompiles           0" in out, out
+    [memory] = [line for line in out.splitlines() if "params + optimizer" in line]
+    share = float(memory.split("(")[1].split("%")[0])
+    assert share <= 30, memory
 
 
 def test_bench_reports_one_graph_for_patched_and_torchtitan_native():

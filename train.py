@@ -1,7 +1,8 @@
-"""Train the HF Llama debugmodel with TP + SP, activation checkpointing and per-block compile.
+"""Train the HF Llama debugmodel with FSDP2 x TP + SP, activation checkpointing and per-block compile.
 
-    torchrun --nproc_per_node=2 train.py [--config config.toml]
-    python train.py                      # one process, no TP
+    torchrun --nproc_per_node=2 train.py [--config config.toml] [--section.key value ...]
+    torchrun --nproc_per_node=4 train.py --parallelism.dp_shard 2    # FSDP 2 x TP 2
+    python train.py                                                   # one process
 
 CPU ranks use gloo, GPU ranks nccl; the choice is made from what the machine has.
 """
@@ -10,154 +11,23 @@ import time
 
 T_START = time.perf_counter()  # time to first step counts the imports too
 
-import argparse
 import math
 import os
 import resource
 import statistics
 import sys
 import sysconfig
-import tomllib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torchtitan.distributed.utils import clip_grad_norm_
 
-from model import DECODER_LAYERS, build_model, forward_logits
-from parallelize import build_tp_mesh, parallelize
-
-# -----------------------------------------------------------------------------
-# configuration: every key of config.toml, its type, and the checks on its value
-
-SCHEMA = {
-    "model": {
-        "hidden_size": int,
-        "num_hidden_layers": int,
-        "num_attention_heads": int,
-        "num_key_value_heads": int,
-        "intermediate_size": int,
-        "vocab_size": int,
-        "rope_theta": float,
-        "rms_norm_eps": float,
-        "max_position_embeddings": int,
-        "attn_implementation": str,
-    },
-    "training": {
-        "steps": int,
-        "local_batch_size": int,
-        "seq_len": int,
-        "lr": float,
-        "warmup_steps": int,
-        "max_norm": float,
-        "seed": int,
-    },
-    "parallelism": {"tp": int, "decoder_layer": str},
-    "activation_checkpoint": {"mode": str, "selective_ac_option": str},
-    "compile": {"enable": bool, "backend": str, "fail_on_recompile": bool},
-    "data": {"max_bytes": int, "eval_batches": int},
-}
-
-
-class ConfigError(ValueError):
-    pass
-
-
-def load_config(path: str, world_size: int) -> dict:
-    """Read config.toml, check every key and value, and resolve `parallelism.tp`."""
-    try:
-        with open(path, "rb") as f:
-            cfg = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path!r} not found") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
-    validate(cfg, world_size)
-    return cfg
-
-
-def validate(cfg: dict, world_size: int) -> None:
-    """Raise ConfigError naming the first field that breaks a rule; resolve `parallelism.tp`."""
-    check_keys_and_types(cfg)
-    check_values(cfg, world_size)
-
-
-def check_keys_and_types(cfg: dict) -> None:
-    for section in cfg:
-        if section not in SCHEMA:
-            raise ConfigError(f"unknown section [{section}]; known: {', '.join(SCHEMA)}")
-    for section, fields in SCHEMA.items():
-        values = cfg.get(section)
-        if not isinstance(values, dict):
-            raise ConfigError(f"missing section [{section}]")
-        for key in values:
-            if key not in fields:
-                raise ConfigError(f"unknown key {section}.{key}; known: {', '.join(fields)}")
-        for key, typ in fields.items():
-            if key not in values:
-                raise ConfigError(f"missing key {section}.{key} ({typ.__name__})")
-            value = values[key]
-            if typ is float and isinstance(value, int) and not isinstance(value, bool):
-                values[key] = value = float(value)
-            if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-                raise ConfigError(f"{section}.{key} = {value!r} must be of type {typ.__name__}")
-
-
-def check_values(cfg: dict, world_size: int) -> None:
-    m, t, p = cfg["model"], cfg["training"], cfg["parallelism"]
-    ac, data = cfg["activation_checkpoint"], cfg["data"]
-
-    def require(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
-    for key in ("steps", "local_batch_size", "seq_len"):
-        require(t[key] > 0, f"training.{key} = {t[key]} must be positive")
-    for key in ("lr", "max_norm"):
-        require(t[key] > 0, f"training.{key} = {t[key]} must be positive")
-    require(t["warmup_steps"] >= 0, f"training.warmup_steps = {t['warmup_steps']} must be >= 0")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "max_position_embeddings"):
-        require(m[key] > 0, f"model.{key} = {m[key]} must be positive")
-    require(m["hidden_size"] % m["num_attention_heads"] == 0,
-            f"model.hidden_size = {m['hidden_size']} must be divisible by "
-            f"model.num_attention_heads = {m['num_attention_heads']}")
-    require(m["num_attention_heads"] % m["num_key_value_heads"] == 0,
-            f"model.num_attention_heads = {m['num_attention_heads']} must be divisible by "
-            f"model.num_key_value_heads = {m['num_key_value_heads']}")
-    require(m["vocab_size"] >= 256, f"model.vocab_size = {m['vocab_size']} must be >= 256 (byte tokens)")
-    require(t["seq_len"] <= m["max_position_embeddings"],
-            f"training.seq_len = {t['seq_len']} must be <= model.max_position_embeddings = "
-            f"{m['max_position_embeddings']}")
-    require(m["attn_implementation"] == "sdpa",
-            f"model.attn_implementation = {m['attn_implementation']!r} must be 'sdpa' "
-            "(the sequence-parallel forward relies on SDPA's is_causal with no mask)")
-
-    require(p["tp"] == -1 or p["tp"] >= 1, f"parallelism.tp = {p['tp']} must be -1 (all ranks) or >= 1")
-    tp = world_size if p["tp"] == -1 else p["tp"]
-    require(world_size % tp == 0,
-            f"world size {world_size} must be divisible by parallelism.tp = {tp}")
-    require(world_size == tp,
-            f"world size {world_size} must equal parallelism.tp = {tp}: this example applies no "
-            "data parallelism, so launch with --nproc_per_node equal to the TP degree")
-    for section, key in (("model", "num_attention_heads"), ("model", "num_key_value_heads"),
-                         ("model", "intermediate_size"), ("model", "vocab_size"), ("training", "seq_len")):
-        value = cfg[section][key]
-        require(value % tp == 0, f"{section}.{key} = {value} must be divisible by parallelism.tp = {tp}")
-    p["tp"] = tp
-    require(p["decoder_layer"] in DECODER_LAYERS,
-            f"parallelism.decoder_layer = {p['decoder_layer']!r} must be one of {list(DECODER_LAYERS)}")
-
-    require(ac["mode"] in ("full", "selective", "none"),
-            f"activation_checkpoint.mode = {ac['mode']!r} must be 'full', 'selective' or 'none'")
-    option = ac["selective_ac_option"]
-    require(option == "op" or (option.isdigit() and int(option) > 0),
-            f"activation_checkpoint.selective_ac_option = {option!r} must be 'op' or a positive integer")
-
-    require(data["max_bytes"] >= 1_000_000, f"data.max_bytes = {data['max_bytes']} must be >= 1000000")
-    require(data["eval_batches"] >= 0, f"data.eval_batches = {data['eval_batches']} must be >= 0")
-
+from config import USAGE, ConfigError, load_config, parse_args
+from model import build_model, forward_logits
+from parallelize import build_parallel_dims, parallelize
 
 # -----------------------------------------------------------------------------
 # data: bytes of the Python standard library's own source, on every machine, no download
@@ -178,11 +48,15 @@ def load_stdlib_bytes(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.frombuffer(train, dtype=torch.uint8).long(), torch.frombuffer(held_out, dtype=torch.uint8).long()
 
 
-def batches(data: torch.Tensor, batch_size: int, seq_len: int, seed: int):
-    """Endless (inputs, targets) of random windows; the same on every TP rank."""
+def batches(data: torch.Tensor, batch_size: int, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
+    """Endless (inputs, targets) of random windows. Every rank draws the global batch's window
+    starts from the same generator and keeps the `batch_size` of its data-parallel rank, so the
+    TP ranks of one group get the same windows, and one process with batch_size x dp_size
+    sees exactly the global batch."""
     g = torch.Generator().manual_seed(seed)
     while True:
-        starts = torch.randint(len(data) - seq_len - 1, (batch_size,), generator=g)
+        starts = torch.randint(len(data) - seq_len - 1, (batch_size * dp_size,), generator=g)
+        starts = starts[dp_rank * batch_size : (dp_rank + 1) * batch_size]
         x = torch.stack([data[s : s + seq_len] for s in starts])
         y = torch.stack([data[s + 1 : s + seq_len + 1] for s in starts])
         yield x, y
@@ -206,17 +80,62 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return rank, world_size, device
 
 
-def peak_memory_per_rank_mib(device: torch.device, world_size: int) -> list[float]:
-    """Every rank's peak: CUDA's max allocated, or on CPU the process's max RSS."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux: KiB
+def build_mesh(cfg: dict, world_size: int, device: torch.device):
+    """torchtitan's ParallelDims for (dp_shard, tp), or None for one process."""
+    p = cfg["parallelism"]
+    return build_parallel_dims(p["dp_shard"], p["tp"], device.type) if world_size > 1 else None
+
+
+def gather_from_ranks(value, world_size: int) -> list:
+    """[rank 0's value, rank 1's, ...]."""
     if world_size == 1:
-        return [peak]
-    peaks = [None] * world_size
-    dist.all_gather_object(peaks, peak)
-    return peaks
+        return [value]
+    values = [None] * world_size
+    dist.all_gather_object(values, value)
+    return values
+
+
+def tp_groups_by_node(parallel_dims, world_size: int) -> dict[tuple[int, ...], list[int]]:
+    """{TP group's global ranks: the nodes its ranks run on}. The node is torchrun's
+    GROUP_RANK, so two torchrun processes on one machine count as two nodes."""
+    tp_mesh = parallel_dims.get_mesh("tp")
+    mine = (tuple(tp_mesh.mesh.flatten().tolist()), int(os.environ.get("GROUP_RANK", 0)))
+    groups = {}
+    for group, node in gather_from_ranks(mine, world_size):
+        groups.setdefault(group, set()).add(node)
+    return {group: sorted(nodes) for group, nodes in sorted(groups.items())}
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This rank's peak: CUDA's max allocated, or on CPU the process's max RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux: KiB
+
+
+def peak_memory_per_rank_mib(device: torch.device, world_size: int) -> list[float]:
+    return gather_from_ranks(peak_memory_mib(device), world_size)
+
+
+def params_and_optimizer_mib(model, optimizer) -> tuple[float, float]:
+    """(this rank's share, the unsharded total) of parameters + optimizer state, in MiB: what
+    FSDP and TP shard, which a process's RSS hides. A DTensor's numel() is the global size,
+    its local tensor this rank's shard."""
+    state = [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
+    tensors = [*model.parameters(), *state]
+    local = sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
+    full = sum(t.numel() * t.element_size() for t in tensors)
+    return local / 2**20, full / 2**20
+
+
+def global_mean(value: torch.Tensor, dp_mesh) -> float:
+    """A per-rank scalar averaged over the data-parallel ranks (the TP ranks of a group hold
+    the same value). Every dp rank has the same batch size, so this is the global-batch mean."""
+    if dp_mesh is None:
+        return value.item()
+    value = value.detach().clone()
+    dist.all_reduce(value, group=dp_mesh.get_group())  # SUM: gloo has no AVG
+    return value.item() / dp_mesh.size()
 
 
 def dynamo_compile_counts() -> tuple[int, int]:
@@ -245,30 +164,35 @@ def lr_lambda(warmup_steps: int, steps: int):
 
 
 @torch.no_grad()
-def evaluate(model, data: torch.Tensor, cfg: dict, device: torch.device) -> float:
-    """Mean loss on held-out batches. Eager (force_eager) so that no_grad, which the compiled
-    blocks were not traced under, does not compile another graph."""
+def evaluate(model, data: torch.Tensor, cfg: dict, device: torch.device, dp_mesh=None) -> float:
+    """Mean loss on held-out batches (the global batch, split over the dp ranks as in
+    training). Eager (force_eager) so that no_grad, which the compiled blocks were not traced
+    under, does not compile another graph."""
     t = cfg["training"]
-    it = batches(data, t["local_batch_size"], t["seq_len"], t["seed"] + 1)
+    dp_rank, dp_size = data_parallel_rank(dp_mesh)
+    it = batches(data, t["local_batch_size"], t["seq_len"], t["seed"] + 1, dp_rank, dp_size)
     losses = []
     model.eval()
     with torch.compiler.set_stance("force_eager"):
         for _ in range(cfg["data"]["eval_batches"]):
             x, y = (z.to(device) for z in next(it))
-            losses.append(F.cross_entropy(forward_logits(model, x).flatten(0, 1), y.flatten()).item())
+            losses.append(global_mean(cross_entropy(forward_logits(model, x), y), dp_mesh))
     model.train()
     return sum(losses) / max(1, len(losses))
 
 
-def build_training(cfg: dict, device: torch.device):
-    """The seeded model, parallelized (TP over all ranks when there are several), its
-    optimizer and its LR schedule."""
+def data_parallel_rank(dp_mesh) -> tuple[int, int]:
+    """(this rank's index among the data-parallel ranks, their number)."""
+    return (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
+
+
+def build_training(cfg: dict, device: torch.device, parallel_dims=None):
+    """The seeded model, parallelized over `parallel_dims` (None: one process), its optimizer
+    and its LR schedule."""
     t = cfg["training"]
     torch.manual_seed(t["seed"])
     model = build_model(cfg["model"], cfg["parallelism"]["decoder_layer"]).to(device)
-    tp = cfg["parallelism"]["tp"]
-    tp_mesh = build_tp_mesh(tp, device.type) if tp > 1 else None
-    parallelize(model, tp_mesh, cfg)
+    parallelize(model, parallel_dims, cfg)
     model.train()
     return model, *build_optimizer(model, t)
 
@@ -280,27 +204,32 @@ def build_optimizer(model, t: dict):
     return optimizer, scheduler
 
 
-def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forward_logits) -> tuple[float, float]:
-    """One forward/backward/update; returns (loss, grad norm before clipping)."""
-    logits = forward(model, x)
-    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # In float32 also when FSDP computes in bfloat16, as torchtitan's loss does.
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forward_logits,
+               dp_mesh=None) -> tuple[float, float]:
+    """One forward/backward/update; returns (global-batch mean loss, grad norm before clipping)."""
+    loss = cross_entropy(forward(model, x), y)
     loss.backward()
-    # torchtitan's clip_grad_norm_ reduces the norm of DTensor (TP-sharded) gradients correctly.
+    # torchtitan's clip_grad_norm_ reduces the norm of DTensor (TP/FSDP-sharded) gradients correctly.
     grad_norm = clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.item(), grad_norm.item()  # .item() also waits for the step to finish
+    return global_mean(loss, dp_mesh), grad_norm.item()  # .item() also waits for the step to finish
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(Path(__file__).with_name("config.toml")))
-    args = parser.parse_args()
-
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__ + "\n" + USAGE)
+        return
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     try:
-        cfg = load_config(args.config, world_size)
+        path, overrides = parse_args(sys.argv[1:])
+        cfg = load_config(path or str(Path(__file__).with_name("config.toml")), world_size, overrides)
     except ConfigError as e:
         if rank == 0:
             print(f"config error: {e}", file=sys.stderr)
@@ -308,22 +237,33 @@ def main() -> None:
 
     rank, world_size, device = init_distributed()
     log = print if rank == 0 else (lambda *a, **k: None)
-    t, comp = cfg["training"], cfg["compile"]
-    log(f"torch {torch.__version__} | {world_size} rank(s) on {device.type} | TP={cfg['parallelism']['tp']} | "
-        f"layer={cfg['parallelism']['decoder_layer']} | AC={cfg['activation_checkpoint']['mode']} | "
-        f"compile={'per-block ' + comp['backend'] if comp['enable'] else 'off'}")
+    t, p, comp = cfg["training"], cfg["parallelism"], cfg["compile"]
+    mesh = f"dp_shard {p['dp_shard']} × tp {p['tp']}"
+    log(f"torch {torch.__version__} | {world_size} rank(s) on {device.type} | mesh {mesh} | "
+        f"layer={p['decoder_layer']} | AC={cfg['activation_checkpoint']['mode']} | "
+        f"compile={'per-block ' + comp['backend'] if comp['enable'] else 'off'} | "
+        f"params {t['mixed_precision_param']}, reduce {t['mixed_precision_reduce']}")
+
+    parallel_dims = build_mesh(cfg, world_size, device)
+    if p["tp"] > 1:
+        groups = tp_groups_by_node(parallel_dims, world_size)
+        log("TP groups: " + " | ".join(f"{list(g)} on node {', '.join(map(str, n))}" for g, n in groups.items()))
+        if any(len(nodes) > 1 for nodes in groups.values()):
+            log("warning: a TP group spans nodes; set parallelism.tp to the GPUs per node")
+    dp_mesh = parallel_dims.get_optional_mesh("batch") if parallel_dims else None
+    dp_rank, dp_size = data_parallel_rank(dp_mesh)
 
     train_data, held_out = load_stdlib_bytes(cfg["data"]["max_bytes"])
     log(f"data: {len(train_data):,} train bytes, {len(held_out):,} held-out bytes of the Python stdlib")
-    model, optimizer, scheduler = build_training(cfg, device)
-    data_iter = batches(train_data, t["local_batch_size"], t["seq_len"], t["seed"])
-    tokens_per_step = t["local_batch_size"] * t["seq_len"]
+    model, optimizer, scheduler = build_training(cfg, device, parallel_dims)
+    data_iter = batches(train_data, t["local_batch_size"], t["seq_len"], t["seed"], dp_rank, dp_size)
+    tokens_per_step = t["local_batch_size"] * dp_size * t["seq_len"]  # the global batch
 
     losses, step_times = [], []
     for step in range(1, t["steps"] + 1):
         step_start = time.perf_counter()
         x, y = (z.to(device) for z in next(data_iter))
-        loss, grad_norm = train_step(model, optimizer, scheduler, x, y, t["max_norm"])
+        loss, grad_norm = train_step(model, optimizer, scheduler, x, y, t["max_norm"], dp_mesh=dp_mesh)
         losses.append(loss)
         step_times.append(time.perf_counter() - step_start)
         if step == 1:
@@ -334,16 +274,21 @@ def main() -> None:
         log(f"step {step:3d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | "
             f"{tokens_per_step / step_times[-1]:7.0f} tokens/s | {time.perf_counter() - T_START:6.1f} s")
 
-    held_out_loss = evaluate(model, held_out, cfg, device)
+    held_out_loss = evaluate(model, held_out, cfg, device, dp_mesh)
     steady = step_times[2:] or step_times[1:] or step_times
     peaks = peak_memory_per_rank_mib(device, world_size)
+    local_state, full_state = params_and_optimizer_mib(model, optimizer)
+    states = gather_from_ranks(local_state, world_size)
     graphs, recompiles = dynamo_compile_counts()
     memory_kind = "max allocated" if device.type == "cuda" else "max RSS"
     log("summary:")
+    log(f"  mesh                 {mesh}")
     log(f"  time to first step   {time_to_first_step:.1f} s")
-    log(f"  steady tokens/s      {tokens_per_step / statistics.median(steady):.0f} "
+    log(f"  steady tokens/s      {tokens_per_step / statistics.median(steady):.0f} global "
         f"(median of steps {t['steps'] - len(steady) + 1}-{t['steps']})")
     log(f"  peak memory per rank {', '.join(f'{p:.0f}' for p in peaks)} MiB ({memory_kind})")
+    log(f"  params + optimizer   {', '.join(f'{s:.1f}' for s in states)} MiB per rank, "
+        f"{full_state:.1f} MiB unsharded ({max(states) / full_state:.0%} on the largest rank)")
     log(f"  compiled graphs      {graphs} for {cfg['model']['num_hidden_layers']} blocks")
     log(f"  recompiles           {recompiles}")
     log(f"  loss                 {losses[0]:.4f} -> {losses[-1]:.4f} (held-out {held_out_loss:.4f})")

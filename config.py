@@ -1,0 +1,202 @@
+"""config.toml and `--section.key value` overrides: every key, its type, and the checks on it.
+
+Everything is checked before any process group starts, so a bad value stops the run with one
+line naming the field, on every launch (`python train.py` or `torchrun`).
+"""
+
+import tomllib
+
+from model import DECODER_LAYERS
+
+USAGE = """usage: train.py [--config PATH] [--section.key VALUE ...]
+
+Every key of the config can be overridden in torchtitan's style, e.g.
+    torchrun --nproc_per_node=4 train.py --parallelism.dp_shard 2 --training.steps 20
+A value is read as a TOML literal (2, -1, 8e-4, true, "text") or else as plain text, so paths
+need no quotes. Overrides go through the same checks as the file."""
+
+SCHEMA = {
+    "model": {
+        "hidden_size": int,
+        "num_hidden_layers": int,
+        "num_attention_heads": int,
+        "num_key_value_heads": int,
+        "intermediate_size": int,
+        "vocab_size": int,
+        "rope_theta": float,
+        "rms_norm_eps": float,
+        "max_position_embeddings": int,
+        "attn_implementation": str,
+    },
+    "training": {
+        "steps": int,
+        "local_batch_size": int,
+        "seq_len": int,
+        "lr": float,
+        "warmup_steps": int,
+        "max_norm": float,
+        "seed": int,
+        "mixed_precision_param": str,
+        "mixed_precision_reduce": str,
+    },
+    "parallelism": {"dp_shard": int, "tp": int, "decoder_layer": str},
+    "activation_checkpoint": {"mode": str, "selective_ac_option": str},
+    "compile": {"enable": bool, "backend": str, "fail_on_recompile": bool},
+    "data": {"max_bytes": int, "eval_batches": int},
+}
+
+DTYPES = ("float32", "bfloat16")  # what FSDP2's MixedPrecisionPolicy gets, as torchtitan allows
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, dict[str, object]]:
+    """(`--config` path or None, {"section.key": value}) from the command line."""
+    path, overrides, i = None, {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: overrides are written --section.key value")
+        name, eq, text = arg[2:].partition("=")
+        if not eq:
+            if i + 1 == len(argv):
+                raise ConfigError(f"--{name} needs a value")
+            text, i = argv[i + 1], i + 1
+        i += 1
+        if name == "config":
+            path = text
+        elif "." in name:
+            overrides[name] = parse_value(text)
+        else:
+            raise ConfigError(f"unknown option --{name}: write --config PATH or --section.key value")
+    return path, overrides
+
+
+def parse_value(text: str) -> object:
+    """A TOML literal (2, -1, 8e-4, true, "x"), else the text itself."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def load_config(path: str, world_size: int, overrides: dict[str, object] | None = None) -> dict:
+    """Read the config file, apply the overrides, check everything, resolve the -1 degrees."""
+    try:
+        with open(path, "rb") as f:
+            cfg = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
+    for dotted, value in (overrides or {}).items():
+        section, key = dotted.split(".", 1)
+        cfg.setdefault(section, {})[key] = value  # an unknown name fails validation like the file's
+    validate(cfg, world_size)
+    return cfg
+
+
+def validate(cfg: dict, world_size: int) -> None:
+    """Raise ConfigError naming the first field that breaks a rule; resolve `parallelism.tp`
+    and `parallelism.dp_shard` when one of them is -1."""
+    check_keys_and_types(cfg)
+    check_values(cfg, world_size)
+
+
+def check_keys_and_types(cfg: dict) -> None:
+    for section in cfg:
+        if section not in SCHEMA:
+            raise ConfigError(f"unknown section [{section}]; known: {', '.join(SCHEMA)}")
+    for section, fields in SCHEMA.items():
+        values = cfg.get(section)
+        if not isinstance(values, dict):
+            raise ConfigError(f"missing section [{section}]")
+        for key in values:
+            if key not in fields:
+                raise ConfigError(f"unknown key {section}.{key}; known: {', '.join(fields)}")
+        for key, typ in fields.items():
+            if key not in values:
+                raise ConfigError(f"missing key {section}.{key} ({typ.__name__})")
+            value = values[key]
+            if typ is float and isinstance(value, int) and not isinstance(value, bool):
+                values[key] = value = float(value)
+            if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+                raise ConfigError(f"{section}.{key} = {value!r} must be of type {typ.__name__}")
+
+
+def check_values(cfg: dict, world_size: int) -> None:
+    m, t, p = cfg["model"], cfg["training"], cfg["parallelism"]
+    ac, data = cfg["activation_checkpoint"], cfg["data"]
+
+    def require(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    for key in ("steps", "local_batch_size", "seq_len"):
+        require(t[key] > 0, f"training.{key} = {t[key]} must be positive")
+    for key in ("lr", "max_norm"):
+        require(t[key] > 0, f"training.{key} = {t[key]} must be positive")
+    require(t["warmup_steps"] >= 0, f"training.warmup_steps = {t['warmup_steps']} must be >= 0")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "max_position_embeddings"):
+        require(m[key] > 0, f"model.{key} = {m[key]} must be positive")
+    require(m["hidden_size"] % m["num_attention_heads"] == 0,
+            f"model.hidden_size = {m['hidden_size']} must be divisible by "
+            f"model.num_attention_heads = {m['num_attention_heads']}")
+    require(m["num_attention_heads"] % m["num_key_value_heads"] == 0,
+            f"model.num_attention_heads = {m['num_attention_heads']} must be divisible by "
+            f"model.num_key_value_heads = {m['num_key_value_heads']}")
+    require(m["vocab_size"] >= 256, f"model.vocab_size = {m['vocab_size']} must be >= 256 (byte tokens)")
+    require(t["seq_len"] <= m["max_position_embeddings"],
+            f"training.seq_len = {t['seq_len']} must be <= model.max_position_embeddings = "
+            f"{m['max_position_embeddings']}")
+    require(m["attn_implementation"] == "sdpa",
+            f"model.attn_implementation = {m['attn_implementation']!r} must be 'sdpa' "
+            "(the sequence-parallel forward relies on SDPA's is_causal with no mask)")
+
+    dp_shard, tp = resolve_mesh(p["dp_shard"], p["tp"], world_size)
+    for section, key in (("model", "num_attention_heads"), ("model", "num_key_value_heads"),
+                         ("model", "intermediate_size"), ("model", "vocab_size"), ("training", "seq_len")):
+        value = cfg[section][key]
+        require(value % tp == 0, f"{section}.{key} = {value} must be divisible by parallelism.tp = {tp}")
+    p["dp_shard"], p["tp"] = dp_shard, tp
+    require(p["decoder_layer"] in DECODER_LAYERS,
+            f"parallelism.decoder_layer = {p['decoder_layer']!r} must be one of {list(DECODER_LAYERS)}")
+
+    for key in ("mixed_precision_param", "mixed_precision_reduce"):
+        require(t[key] in DTYPES, f"training.{key} = {t[key]!r} must be one of {list(DTYPES)}")
+        # torchtitan ignores these without FSDP; a setting that would do nothing is an error here.
+        require(t[key] == "float32" or dp_shard > 1,
+                f"training.{key} = {t[key]!r} needs parallelism.dp_shard > 1: "
+                "mixed precision is applied by FSDP2")
+
+    require(ac["mode"] in ("full", "selective", "none"),
+            f"activation_checkpoint.mode = {ac['mode']!r} must be 'full', 'selective' or 'none'")
+    option = ac["selective_ac_option"]
+    require(option == "op" or (option.isdigit() and int(option) > 0),
+            f"activation_checkpoint.selective_ac_option = {option!r} must be 'op' or a positive integer")
+
+    require(data["max_bytes"] >= 1_000_000, f"data.max_bytes = {data['max_bytes']} must be >= 1000000")
+    require(data["eval_batches"] >= 0, f"data.eval_batches = {data['eval_batches']} must be >= 0")
+
+
+def resolve_mesh(dp_shard: int, tp: int, world_size: int) -> tuple[int, int]:
+    """(dp_shard, tp) with a -1 replaced by the ranks the other degree leaves, as torchtitan's
+    ParallelDims does; their product must be the world size."""
+    for name, degree in (("dp_shard", dp_shard), ("tp", tp)):
+        if degree != -1 and degree < 1:
+            raise ConfigError(f"parallelism.{name} = {degree} must be -1 (the remaining ranks) or >= 1")
+    if dp_shard == -1 and tp == -1:
+        raise ConfigError("parallelism.dp_shard and parallelism.tp are both -1: at most one may take "
+                          "the remaining ranks")
+    if -1 in (dp_shard, tp):
+        name, fixed = ("tp", tp) if dp_shard == -1 else ("dp_shard", dp_shard)
+        if world_size % fixed:
+            raise ConfigError(f"world size {world_size} must be divisible by parallelism.{name} = {fixed}")
+        dp_shard, tp = (world_size // tp, tp) if dp_shard == -1 else (dp_shard, world_size // dp_shard)
+    if dp_shard * tp != world_size:
+        raise ConfigError(f"parallelism.dp_shard = {dp_shard} × parallelism.tp = {tp} must equal "
+                          f"the world size {world_size}")
+    return dp_shard, tp
