@@ -6,6 +6,7 @@
 Variants, same shapes, data, seed, optimizer, TP degree, full AC and inductor per block:
   patched  train.py's model with PositionalLlamaDecoderLayer (the fix)
   stock    train.py's model with HF's LlamaDecoderLayer and the input_kwarg_layouts plan
+  norm     HF's LlamaDecoderLayer with the plan-only fix (attention's input gathered at the norm)
   eager    patched, without compile
   titan    torchtitan.models.llama3 debugmodel with torchtitan's apply_tp/apply_ac/apply_compile
 Each run is its own torchrun process group. A cold round (empty inductor cache) comes first,
@@ -28,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-VARIANTS = ("patched", "stock", "eager", "titan")
+VARIANTS = ("patched", "stock", "norm", "eager", "titan")
 RESULT_TAG = "BENCH_RESULT "
 
 
@@ -44,7 +45,8 @@ def hf_config(variant: str, args) -> dict:
     cfg["training"].update(steps=args.steps, local_batch_size=args.batch, seq_len=args.seq_len)
     cfg["model"]["num_hidden_layers"] = args.layers
     cfg["model"]["max_position_embeddings"] = max(args.seq_len, cfg["model"]["max_position_embeddings"])
-    cfg["parallelism"]["decoder_layer"] = "stock" if variant == "stock" else "positional"
+    cfg["parallelism"]["decoder_layer"] = "stock" if variant in ("stock", "norm") else "positional"
+    cfg["parallelism"]["attention_gather"] = "norm_output" if variant == "norm" else "pre_hook"
     cfg["compile"]["enable"] = variant != "eager"
     cfg["compile"]["fail_on_recompile"] = False  # the benchmark counts recompiles instead
     return cfg

@@ -39,12 +39,13 @@ SCHEMA = {
         "mixed_precision_param": str,
         "mixed_precision_reduce": str,
     },
-    "parallelism": {"dp_shard": int, "tp": int, "decoder_layer": str},
+    "parallelism": {"dp_shard": int, "tp": int, "decoder_layer": str, "attention_gather": str},
     "activation_checkpoint": {"mode": str, "selective_ac_option": str},
     "compile": {"enable": bool, "backend": str, "fail_on_recompile": bool},
     "data": {"max_bytes": int, "eval_batches": int},
 }
 
+ATTENTION_GATHERS = ("pre_hook", "norm_output")  # parallelize._attention_input_plan
 DTYPES = ("float32", "bfloat16")  # what FSDP2's MixedPrecisionPolicy gets, as torchtitan allows
 
 
@@ -164,6 +165,8 @@ def check_values(cfg: dict, world_size: int) -> None:
     p["dp_shard"], p["tp"] = dp_shard, tp
     require(p["decoder_layer"] in DECODER_LAYERS,
             f"parallelism.decoder_layer = {p['decoder_layer']!r} must be one of {list(DECODER_LAYERS)}")
+    require(p["attention_gather"] in ATTENTION_GATHERS,
+            f"parallelism.attention_gather = {p['attention_gather']!r} must be one of {list(ATTENTION_GATHERS)}")
 
     for key in ("mixed_precision_param", "mixed_precision_reduce"):
         require(t[key] in DTYPES, f"training.{key} = {t[key]!r} must be one of {list(DTYPES)}")

@@ -15,6 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -48,12 +49,13 @@ def _set_titan_mesh_device_type(device_type: str) -> None:
     torchtitan.distributed.parallel_dims.device_type = device_type
 
 
-def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str) -> None:
+def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str, attention_gather: str) -> None:
     """TP + sequence parallel, the plan of torchtitan's llama3 `apply_tp` on HF names.
 
     Between blocks the activations are sharded on the sequence dim (Shard(1)); attention and
-    MLP all-gather them on entry (PrepareModuleInput) and reduce-scatter on exit (RowwiseParallel
-    with output Shard(1)). Logits come out replicated, so the loss is a plain cross entropy.
+    MLP all-gather them on entry and reduce-scatter on exit (RowwiseParallel with output
+    Shard(1)). Logits come out replicated, so the loss is a plain cross entropy. The plan uses
+    only HF's Llama module names, so it fits any HF decoder with them (Qwen2, Qwen3, Mistral).
     """
     parallelize_module(
         model,
@@ -72,7 +74,8 @@ def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str) -
             tp_mesh,
             {
                 "input_layernorm": SequenceParallel(),
-                "self_attn": _attention_input_style(decoder_layer),
+                **_attention_input_plan(decoder_layer, attention_gather),
+                **_qk_norm_plan(block),
                 "self_attn.q_proj": ColwiseParallel(),
                 "self_attn.k_proj": ColwiseParallel(),
                 "self_attn.v_proj": ColwiseParallel(),
@@ -84,24 +87,55 @@ def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str) -
                 "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
             },
         )
+        if attention_gather == "norm_output":
+            # A second call: a plan holds one style per module, and input_layernorm has two.
+            parallelize_module(block.input_layernorm, tp_mesh, GATHER_AT_NORM_OUTPUT)
 
 
-def _attention_input_style(decoder_layer: str) -> PrepareModuleInput:
-    """How attention's input is all-gathered from Shard(1) to Replicate.
+# The plan-only fix: all-gather attention's input on input_layernorm's output (a positional
+# forward hook) instead of in a pre-hook on attention, which then gets its full-sequence input
+# by keyword with no hook on it at all. The output stays a Replicate DTensor, as the pre-hook
+# plan hands attention: q, k and v's partial input gradients then add up as one DTensor and
+# leave by one reduce-scatter. A plain tensor (use_local_output=True) would cost three
+# all-reduces per block in backward instead, one per projection.
+GATHER_AT_NORM_OUTPUT = PrepareModuleOutput(
+    output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=False
+)
 
-    "positional": the fix. `PositionalLlamaDecoderLayer` passes hidden_states positionally, so
-    a positional pre-hook does it and no `with_kwargs=True` hook is registered.
-    "stock": what HF's own layer needs, since it passes `hidden_states=` by keyword. It registers
-    a `with_kwargs=True` pre-hook per block, which torch <= 2.10 Dynamo guards on by hook id:
-    one recompile per block (pytorch/pytorch#170110). Kept for the demonstration and the test.
+
+def _qk_norm_plan(block: nn.Module) -> dict:
+    """Qwen3's RMSNorm on each head's q and k, inside attention (Llama has none). Its weight is
+    replicated over TP while each rank holds its own heads (dim 2 of the (batch, seq, heads,
+    head_dim) view), planned as torchtitan's HF backend does: as a DTensor its gradient is
+    summed over the TP ranks, as a plain tensor each rank would keep its own heads' part."""
+    if not hasattr(block.self_attn, "q_norm"):
+        return {}
+    return {name: SequenceParallel(sequence_dim=2, use_local_output=True)
+            for name in ("self_attn.q_norm", "self_attn.k_norm")}
+
+
+def _attention_input_plan(decoder_layer: str, attention_gather: str) -> dict:
+    """Where attention's input is all-gathered from Shard(1) (sequence) to Replicate.
+
+    "pre_hook" with the "positional" layer: the vendored fix. `PositionalLlamaDecoderLayer`
+    passes hidden_states positionally, so a positional PrepareModuleInput does it and no
+    `with_kwargs=True` hook is registered.
+    "pre_hook" with the "stock" layer: what HF's own layer needs, since it passes
+    `hidden_states=` by keyword. It registers a `with_kwargs=True` pre-hook per block, which
+    torch <= 2.10 Dynamo guards on by hook id: one recompile per block
+    (pytorch/pytorch#170110). Kept for the demonstration and the tests.
+    "norm_output", with either layer: no style on attention; `GATHER_AT_NORM_OUTPUT` on
+    input_layernorm does the gather (see apply_tp).
     """
+    if attention_gather == "norm_output":
+        return {}
     if decoder_layer == "positional":
-        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        return {"self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
     if decoder_layer == "stock":
-        return PrepareModuleInput(
+        return {"self_attn": PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": Shard(1)},
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
-        )
+        )}
     raise ValueError(f"decoder_layer must be 'positional' or 'stock', got {decoder_layer!r}")
 
 
@@ -174,7 +208,7 @@ def parallelize(model: LlamaForCausalLM, parallel_dims: ParallelDims | None, cfg
     tp_mesh = parallel_dims.get_optional_mesh("tp") if parallel_dims else None
     dp_mesh = parallel_dims.get_optional_mesh("fsdp") if parallel_dims else None
     if tp_mesh is not None:
-        apply_tp(model, tp_mesh, cfg["parallelism"]["decoder_layer"])
+        apply_tp(model, tp_mesh, cfg["parallelism"]["decoder_layer"], cfg["parallelism"]["attention_gather"])
     ac, comp, t = cfg["activation_checkpoint"], cfg["compile"], cfg["training"]
     if ac["mode"] != "none":
         apply_ac(model, ac["mode"], ac["selective_ac_option"], comp["enable"])

@@ -28,6 +28,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 import train
 from config import ConfigError, load_config, parse_args, validate
 from model import PositionalLlamaDecoderLayer, build_model, forward_logits
+from parallelize import parallelize
+from survey import markdown_table, survey_attention_calls
 
 HERE = Path(__file__).parent
 TP = 2
@@ -60,9 +62,20 @@ def small_config(**overrides) -> dict:
     return cfg
 
 
-def run_training(cfg: dict, world_size: int, device=torch.device("cpu")) -> dict:
+def build_other_architecture(arch: str, model_cfg: dict):
+    """A stock transformers model with Llama's module names, from the (shrunk) [model] fields,
+    with 8 kv heads (GQA). Qwen3 adds q_norm/k_norm inside attention; Qwen2 biases on q/k/v."""
+    import transformers
+
+    classes = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+    config_class, model_class = (getattr(transformers, name) for name in classes[arch])
+    config = config_class(**{**model_cfg, "num_key_value_heads": 8}, use_cache=False, tie_word_embeddings=False)
+    return model_class(config)
+
+
+def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: str = "llama") -> dict:
     """Train STEPS steps with the trainer's own functions; report global-mean losses and what
-    Dynamo saw."""
+    Dynamo saw. `arch` other than "llama": that HF model, parallelized by the same code."""
     from torch._dynamo.utils import guard_failures
 
     validate(cfg, world_size)
@@ -70,7 +83,13 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu")) -> dict
     t = cfg["training"]
     parallel_dims = train.build_mesh(cfg, world_size, device)
     dp_mesh = parallel_dims.get_optional_mesh("batch") if parallel_dims else None
-    model, optimizer, scheduler = train.build_training(cfg, device, parallel_dims)
+    if arch == "llama":
+        model, optimizer, scheduler = train.build_training(cfg, device, parallel_dims)
+    else:
+        torch.manual_seed(t["seed"])
+        model = build_other_architecture(arch, cfg["model"]).to(device)
+        parallelize(model, parallel_dims, cfg)
+        optimizer, scheduler = train.build_optimizer(model, t)
     # FSDP2 puts with_kwargs=True pre-hooks on the modules it shards (outside the compiled
     # frames); the bug's precondition is one on attention, inside every compiled block.
     kwargs_hooks = sorted(n for n, m in model.named_modules() if m._forward_pre_hooks_with_kwargs)
@@ -95,12 +114,12 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu")) -> dict
     return result
 
 
-def _rank_main(rank: int, world_size: int, port: int, cfg: dict, out: str) -> None:
+def _rank_main(rank: int, world_size: int, port: int, cfg: dict, out: str, arch: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    result = run_training(cfg, world_size)
+    result = run_training(cfg, world_size, arch=arch)
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -113,16 +132,17 @@ def free_port() -> int:
 
 
 @functools.cache
-def run_ranks(tmp_root: str, world_size: int, **overrides) -> dict:
+def run_ranks(tmp_root: str, world_size: int, arch: str = "llama", **overrides) -> dict:
     """run_training on `world_size` gloo ranks with `small_config(**overrides)`, rank 0's report."""
-    out = Path(tmp_root) / f"{world_size}-{abs(hash(tuple(sorted(overrides.items()))))}.json"
-    mp.spawn(_rank_main, args=(world_size, free_port(), small_config(**overrides), str(out)), nprocs=world_size)
+    out = Path(tmp_root) / f"{arch}-{world_size}-{abs(hash(tuple(sorted(overrides.items()))))}.json"
+    mp.spawn(_rank_main, args=(world_size, free_port(), small_config(**overrides), str(out), arch),
+             nprocs=world_size)
     return json.loads(out.read_text())
 
 
-def run_tp(tmp_root: str, **overrides) -> dict:
+def run_tp(tmp_root: str, arch: str = "llama", **overrides) -> dict:
     """TP over 2 ranks."""
-    return run_ranks(tmp_root, TP, **overrides)
+    return run_ranks(tmp_root, TP, arch, **overrides)
 
 
 def run_2d(tmp_root: str, **overrides) -> dict:
@@ -220,6 +240,77 @@ def test_tp_matches_single_process_and_compiled_matches_eager(tmp_root):
     assert tp_eager["losses"] == pytest.approx(single_eager["losses"], abs=1e-4), "TP=2 vs 1 process"
     assert tp_compiled["losses"] == pytest.approx(tp_eager["losses"], abs=1e-4), "compiled vs eager"
     assert single_eager["losses"][-1] < single_eager["losses"][0], "the loss should fall"
+
+
+# The plan-only fix: attention's input gathered at input_layernorm's output ----
+
+NORM_OUTPUT = {"parallelism.attention_gather": "norm_output"}
+KWARGS_PLAN = {"parallelism.decoder_layer": "stock", "parallelism.attention_gather": "pre_hook"}
+
+
+def test_norm_output_plan_on_stock_layer_is_one_graph_with_the_positional_layers_losses(tmp_root):
+    r = run_tp(tmp_root, **{"parallelism.decoder_layer": "stock", **NORM_OUTPUT})
+    assert r["error"] is None, r["error"]
+    assert r["kwargs_hooks"] == [], "the norm-output plan must leave no with_kwargs=True pre-hook"
+    assert (r["graphs"], r["recompiles"]) == (1, 0), r["recompile_reasons"]
+    assert r["losses"] == pytest.approx(positional_tp(tmp_root)["losses"], abs=1e-6)
+
+
+def _comm_counts_main(rank: int, port: int, out: str) -> None:
+    """Collectives of one eager forward + backward, per plan, counted by DTensor's CommDebugMode."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(TP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    counts = {}
+    for layer, gather in (("positional", "pre_hook"), ("stock", "norm_output")):
+        cfg = small_config(**{"model.num_hidden_layers": 2, "compile.enable": False, "activation_checkpoint.mode": "none",
+                              "parallelism.decoder_layer": layer, "parallelism.attention_gather": gather})
+        validate(cfg, TP)
+        model = train.build_training(cfg, torch.device("cpu"), train.build_mesh(cfg, TP, torch.device("cpu")))[0]
+        with CommDebugMode() as comm:
+            forward_logits(model, torch.randint(0, 256, (2, 64))).sum().backward()
+        counts[gather] = {str(op): n for op, n in comm.get_comm_counts().items()}
+    if rank == 0:
+        Path(out).write_text(json.dumps(counts))
+    dist.destroy_process_group()
+
+
+def test_norm_output_plan_communicates_as_the_pre_hook_plan(tmp_path):
+    """The same all-gather / reduce-scatter pairs. Both breaks give the right numbers and more
+    traffic: without GATHER_AT_NORM_OUTPUT, q, k and v each all-gather attention's Shard(1)
+    input; with its use_local_output=True, each all-reduces its input gradient."""
+    out = tmp_path / "counts.json"
+    mp.spawn(_comm_counts_main, args=(free_port(), str(out)), nprocs=TP)
+    counts = json.loads(out.read_text())
+    assert counts["norm_output"] == counts["pre_hook"], counts
+    assert any("all_gather" in op for op in counts["pre_hook"]), counts
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_norm_output_plan_fixes_other_hf_architectures(tmp_root, arch):
+    r = run_tp(tmp_root, arch, **{"parallelism.decoder_layer": "stock", **NORM_OUTPUT})
+    assert r["error"] is None, r["error"]
+    assert r["kwargs_hooks"] == []
+    assert (r["graphs"], r["recompiles"]) == (1, 0), r["recompile_reasons"]
+    single_eager = run_training(small_config(**{"compile.enable": False, "parallelism.tp": 1}), 1, arch=arch)
+    assert r["losses"] == pytest.approx(single_eager["losses"], abs=1e-4), f"{arch}: TP=2 vs 1 process"
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_kwargs_plan_on_other_hf_architectures_matches_installed_torch(tmp_root, arch):
+    r = run_tp(tmp_root, arch, **KWARGS_PLAN)
+    assert r["kwargs_hooks"] == r["attention_modules"]
+    assert_stock_layer_behaviour(r)
+
+
+def test_readme_survey_table_matches_installed_transformers():
+    survey = survey_attention_calls()
+    assert {"llama", "qwen2", "qwen3", "mistral"} <= set(survey["keyword"]), "these call self_attn by keyword"
+    assert "bart" in survey["positional"]
+    table = markdown_table(survey)
+    assert table in (HERE / "README.md").read_text(), f"README's survey table is stale; `python survey.py`:\n{table}"
 
 
 # FSDP2 x TP: dp_shard 2 x tp 2 on 4 ranks -----------------------------------
@@ -328,6 +419,7 @@ BAD_CONFIGS = [
     ({"compile.enable": 1}, "compile.enable = 1 must be of type bool"),
     ({"training.warmup": 3}, "unknown key training.warmup"),
     ({"parallelism.decoder_layer": "patched"}, "parallelism.decoder_layer = 'patched' must be one of"),
+    ({"parallelism.attention_gather": "norm"}, "parallelism.attention_gather = 'norm' must be one of ['pre_hook', 'norm_output']"),
 ]
 
 

@@ -240,7 +240,7 @@ def main() -> None:
     t, p, comp = cfg["training"], cfg["parallelism"], cfg["compile"]
     mesh = f"dp_shard {p['dp_shard']} × tp {p['tp']}"
     log(f"torch {torch.__version__} | {world_size} rank(s) on {device.type} | mesh {mesh} | "
-        f"layer={p['decoder_layer']} | AC={cfg['activation_checkpoint']['mode']} | "
+        f"layer={p['decoder_layer']} | gather={p['attention_gather']} | AC={cfg['activation_checkpoint']['mode']} | "
         f"compile={'per-block ' + comp['backend'] if comp['enable'] else 'off'} | "
         f"params {t['mixed_precision_param']}, reduce {t['mixed_precision_reduce']}")
 
