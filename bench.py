@@ -100,7 +100,7 @@ def worker(variant: str, args) -> None:
     else:
         model, optimizer, scheduler = train.build_training(cfg, device, train.build_mesh(cfg, world_size, device))
         forward = train.forward_logits
-    batches = train.batches(data, t["local_batch_size"], t["seq_len"], t["seed"])
+    batches = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
     losses, step_times = [], []
     for step in range(t["steps"]):
         start = time.perf_counter()

@@ -4,8 +4,11 @@ Everything is checked before any process group starts, so a bad value stops the 
 line naming the field, on every launch (`python train.py` or `torchrun`).
 """
 
+import os
 import tomllib
+from pathlib import Path
 
+from checkpoint import MARKER, hf_folder_mismatch, is_complete
 from model import DECODER_LAYERS
 
 USAGE = """usage: train.py [--config PATH] [--section.key VALUE ...]
@@ -43,6 +46,15 @@ SCHEMA = {
     "activation_checkpoint": {"mode": str, "selective_ac_option": str},
     "compile": {"enable": bool, "backend": str, "fail_on_recompile": bool},
     "data": {"max_bytes": int, "eval_batches": int},
+    "checkpoint": {  # torchtitan's names and meanings
+        "enable": bool,
+        "folder": str,
+        "interval": int,
+        "keep_latest_k": int,
+        "initial_load_path": str,
+        "initial_load_in_hf": bool,
+        "last_save_in_hf": bool,
+    },
 }
 
 ATTENTION_GATHERS = ("pre_hook", "norm_output")  # parallelize._attention_input_plan
@@ -183,6 +195,38 @@ def check_values(cfg: dict, world_size: int) -> None:
 
     require(data["max_bytes"] >= 1_000_000, f"data.max_bytes = {data['max_bytes']} must be >= 1000000")
     require(data["eval_batches"] >= 0, f"data.eval_batches = {data['eval_batches']} must be >= 0")
+    check_checkpoint(cfg["checkpoint"], m)
+
+
+def check_checkpoint(c: dict, model_cfg: dict) -> None:
+    """[checkpoint]: values, the folder, and whether initial_load_path fits [model], all before
+    any process starts."""
+    def require(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    require(c["interval"] > 0, f"checkpoint.interval = {c['interval']} must be positive")
+    require(c["keep_latest_k"] >= 0, f"checkpoint.keep_latest_k = {c['keep_latest_k']} must be >= 0 (0 keeps all)")
+    for key in ("initial_load_path", "initial_load_in_hf", "last_save_in_hf"):
+        require(c["enable"] or not c[key], f"checkpoint.{key} needs checkpoint.enable = true")
+    require(c["initial_load_path"] or not c["initial_load_in_hf"],
+            "checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_path")
+    if not c["enable"]:
+        return
+    folder = Path(c["folder"])
+    require(not folder.exists() or folder.is_dir(), f"checkpoint.folder = {c['folder']!r} is a file, not a folder")
+    if not c["initial_load_path"]:
+        return
+    path = Path(c["initial_load_path"])
+    name = f"checkpoint.initial_load_path = {c['initial_load_path']!r}"
+    require(path.exists(), f"{name} does not exist")
+    require(path.is_dir(), f"{name} is not a folder")
+    require(os.access(path, os.R_OK | os.X_OK), f"{name} cannot be read")
+    if c["initial_load_in_hf"]:
+        problem = hf_folder_mismatch(path, model_cfg)
+        require(problem is None, f"{name} does not fit [model]: it {problem}")
+    else:
+        require(is_complete(path), f"{name} is not a complete DCP checkpoint (no valid {MARKER})")
 
 
 def resolve_mesh(dp_shard: int, tp: int, world_size: int) -> tuple[int, int]:

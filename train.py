@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torchtitan.distributed.utils import clip_grad_norm_
 
+import checkpoint
 from config import USAGE, ConfigError, load_config, parse_args
 from model import build_model, forward_logits
 from parallelize import build_parallel_dims, parallelize
@@ -48,14 +49,15 @@ def load_stdlib_bytes(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.frombuffer(train, dtype=torch.uint8).long(), torch.frombuffer(held_out, dtype=torch.uint8).long()
 
 
-def batches(data: torch.Tensor, batch_size: int, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
+def batches(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator,
+            dp_rank: int = 0, dp_size: int = 1):
     """Endless (inputs, targets) of random windows. Every rank draws the global batch's window
-    starts from the same generator and keeps the `batch_size` of its data-parallel rank, so the
-    TP ranks of one group get the same windows, and one process with batch_size x dp_size
-    sees exactly the global batch."""
-    g = torch.Generator().manual_seed(seed)
+    starts from the same seeded generator and keeps the `batch_size` of its data-parallel rank,
+    so the TP ranks of one group get the same windows, and one process with batch_size x
+    dp_size sees exactly the global batch. The generator's state is the data position that a
+    checkpoint saves."""
     while True:
-        starts = torch.randint(len(data) - seq_len - 1, (batch_size * dp_size,), generator=g)
+        starts = torch.randint(len(data) - seq_len - 1, (batch_size * dp_size,), generator=generator)
         starts = starts[dp_rank * batch_size : (dp_rank + 1) * batch_size]
         x = torch.stack([data[s : s + seq_len] for s in starts])
         y = torch.stack([data[s + 1 : s + seq_len + 1] for s in starts])
@@ -170,7 +172,7 @@ def evaluate(model, data: torch.Tensor, cfg: dict, device: torch.device, dp_mesh
     under, does not compile another graph."""
     t = cfg["training"]
     dp_rank, dp_size = data_parallel_rank(dp_mesh)
-    it = batches(data, t["local_batch_size"], t["seq_len"], t["seed"] + 1, dp_rank, dp_size)
+    it = batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"] + 1), dp_rank, dp_size)
     losses = []
     model.eval()
     with torch.compiler.set_stance("force_eager"):
@@ -256,23 +258,34 @@ def main() -> None:
     train_data, held_out = load_stdlib_bytes(cfg["data"]["max_bytes"])
     log(f"data: {len(train_data):,} train bytes, {len(held_out):,} held-out bytes of the Python stdlib")
     model, optimizer, scheduler = build_training(cfg, device, parallel_dims)
-    data_iter = batches(train_data, t["local_batch_size"], t["seq_len"], t["seed"], dp_rank, dp_size)
+    generator = torch.Generator().manual_seed(t["seed"])
+    ckpt = cfg["checkpoint"]
+    start_step = checkpoint.resume(ckpt, model, optimizer, scheduler, generator, log) if ckpt["enable"] else 0
+    if start_step >= t["steps"]:
+        log(f"checkpoint: step {start_step} is the last of training.steps = {t['steps']}; nothing to train")
+        return
+    data_iter = batches(train_data, t["local_batch_size"], t["seq_len"], generator, dp_rank, dp_size)
     tokens_per_step = t["local_batch_size"] * dp_size * t["seq_len"]  # the global batch
 
     losses, step_times = [], []
-    for step in range(1, t["steps"] + 1):
+    for step in range(start_step + 1, t["steps"] + 1):
         step_start = time.perf_counter()
         x, y = (z.to(device) for z in next(data_iter))
         loss, grad_norm = train_step(model, optimizer, scheduler, x, y, t["max_norm"], dp_mesh=dp_mesh)
         losses.append(loss)
         step_times.append(time.perf_counter() - step_start)
-        if step == 1:
+        if step == start_step + 1:
             time_to_first_step = time.perf_counter() - T_START
             if comp["enable"] and comp["fail_on_recompile"]:
                 # Every block has now been compiled; any further compile is a recompile.
                 torch.compiler.set_stance("fail_on_recompile")
-        log(f"step {step:3d} | loss {loss:.4f} | grad norm {grad_norm:.3f} | "
+        log(f"step {step:3d} | loss {loss:.6f} | grad norm {grad_norm:.3f} | "
             f"{tokens_per_step / step_times[-1]:7.0f} tokens/s | {time.perf_counter() - T_START:6.1f} s")
+        if ckpt["enable"] and (step % ckpt["interval"] == 0 or step == t["steps"]):
+            checkpoint.save(Path(ckpt["folder"]), step, ckpt["keep_latest_k"], model, optimizer, scheduler,
+                            generator, log)
+    if ckpt["last_save_in_hf"]:
+        checkpoint.save_hf(Path(ckpt["folder"]), t["steps"], model, cfg["model"], log)
 
     held_out_loss = evaluate(model, held_out, cfg, device, dp_mesh)
     steady = step_times[2:] or step_times[1:] or step_times
@@ -291,7 +304,8 @@ def main() -> None:
         f"{full_state:.1f} MiB unsharded ({max(states) / full_state:.0%} on the largest rank)")
     log(f"  compiled graphs      {graphs} for {cfg['model']['num_hidden_layers']} blocks")
     log(f"  recompiles           {recompiles}")
-    log(f"  loss                 {losses[0]:.4f} -> {losses[-1]:.4f} (held-out {held_out_loss:.4f})")
+    resumed = f", steps {start_step + 1}-{t['steps']}" if start_step else ""
+    log(f"  loss                 {losses[0]:.4f} -> {losses[-1]:.4f} (held-out {held_out_loss:.4f}{resumed})")
     if world_size > 1:
         dist.destroy_process_group()
     if not all(math.isfinite(v) for v in losses):

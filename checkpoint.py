@@ -1,0 +1,225 @@
+"""Checkpoints that survive a killed rank, on any mesh, and Hugging Face weights in and out.
+
+    folder/step-N/                DCP: model, optimizer, LR schedule, step, data position
+    folder/step-N/complete.json   written last, once every rank's shards are on disk
+    folder/step-N-hf/             last_save_in_hf: config.json + model.safetensors
+
+torch.distributed.checkpoint (DCP) writes each rank's shards and reshards on load, so a
+checkpoint written on dp_shard 2 x tp 2 loads on tp 2 or one process. `get_state_dict` /
+`set_state_dict` name everything by the plain HF names: the compile (`_orig_mod`) and AC
+(`_checkpoint_wrapped_module`) wrappers are stripped.
+"""
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from transformers import LlamaConfig, LlamaForCausalLM
+
+MARKER = "complete.json"
+STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+# -----------------------------------------------------------------------------
+# which checkpoints are complete
+
+
+def step_dirs(folder: Path) -> list[tuple[int, Path]]:
+    """Every step-N folder, oldest first."""
+    if not folder.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir())
+
+
+def is_complete(path: Path) -> bool:
+    """A save that finished: its marker names every file with its size, and all are there in
+    full. A save killed half-way has no marker (it is written last); a file cut short after
+    the save fails the size check."""
+    try:
+        files = json.loads((path / MARKER).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return bool(files) and all((path / name).is_file() and (path / name).stat().st_size == size
+                               for name, size in files.items())
+
+
+def write_marker(path: Path, step: int) -> None:
+    files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
+    tmp = path / (MARKER + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
+    os.replace(tmp, path / MARKER)  # atomic: the marker is there whole or not at all
+
+
+# -----------------------------------------------------------------------------
+# save and resume
+
+
+def training_state(model, optimizer, scheduler, generator: torch.Generator, step: int) -> dict:
+    """Everything a resume needs; also the template that DCP loads into."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd,
+            "train": {"step": step, "scheduler": scheduler.state_dict(), "data_rng": generator.get_state()}}
+
+
+def save(folder: Path, step: int, keep_latest_k: int, model, optimizer, scheduler, generator, log) -> None:
+    """DCP save on every rank, then rank 0's marker, then old checkpoints pruned: a checkpoint
+    is removed only once a newer one is complete."""
+    start = time.perf_counter()
+    path = folder / f"step-{step}"
+    if is_rank0():
+        shutil.rmtree(path, ignore_errors=True)  # an earlier, unfinished save of this step
+    if dist.is_initialized():
+        dist.barrier()
+    # dcp.save returns once the coordinator (rank 0) has written .metadata, which it does
+    # after every rank reported its shards written.
+    dcp.save(training_state(model, optimizer, scheduler, generator, step), checkpoint_id=path,
+             no_dist=not dist.is_initialized())
+    removed = []
+    if is_rank0():
+        write_marker(path, step)
+        removed = prune(folder, step, keep_latest_k)
+    log(f"checkpoint: saved step {step} to {path} in {time.perf_counter() - start:.1f} s"
+        + (f" (removed {', '.join(removed)})" if removed else ""))
+
+
+def prune(folder: Path, newest: int, keep_latest_k: int) -> list[str]:
+    """Remove complete checkpoints beyond the latest `keep_latest_k` (0 keeps all) and
+    unfinished ones older than `newest`."""
+    found = step_dirs(folder)
+    complete = [p for _, p in found if is_complete(p)]
+    stale = complete[:-keep_latest_k] if keep_latest_k else []
+    stale += [p for step, p in found if step < newest and p not in complete]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return [p.name for p in stale]
+
+
+def resume(ckpt: dict, model, optimizer, scheduler, generator, log) -> int:
+    """Load the latest complete checkpoint in `folder` and return its step; without one,
+    load `initial_load_path`'s weights (or nothing) and return 0."""
+    folder = Path(ckpt["folder"])
+    found = step_dirs(folder)
+    complete = [(step, p) for step, p in found if is_complete(p)]
+    latest = complete[-1][0] if complete else -1
+    for step, path in found:
+        if step > latest:
+            log(f"checkpoint: skipped {path}: incomplete, no valid {MARKER} (a save that did not finish)")
+    start = time.perf_counter()
+    if complete:
+        step, path = complete[-1]
+        state = training_state(model, optimizer, scheduler, generator, step)
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        scheduler.load_state_dict(state["train"]["scheduler"])
+        generator.set_state(state["train"]["data_rng"])
+        log(f"checkpoint: loaded step {step} from {path} in {time.perf_counter() - start:.1f} s")
+        return step
+    if ckpt["initial_load_path"]:
+        path, hf = ckpt["initial_load_path"], ckpt["initial_load_in_hf"]
+        load_hf_weights(model, Path(path)) if hf else load_dcp_weights(model, Path(path))
+        log(f"checkpoint: none complete in {folder}; loaded the {'HF' if hf else 'DCP'} weights of "
+            f"{path} in {time.perf_counter() - start:.1f} s, starting from step 1")
+        return 0
+    log(f"checkpoint: none complete in {folder}; starting from step 1")
+    return 0
+
+
+def load_dcp_weights(model, path: Path) -> None:
+    """The model part of another run's DCP checkpoint (optimizer and schedule start fresh)."""
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state["model"])
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face weights in and out
+
+
+def load_hf_weights(model, path: Path) -> None:
+    """Every rank reads the full safetensors weights; set_model_state_dict keeps each rank's
+    TP / FSDP shard of them."""
+    from safetensors.torch import load_file
+
+    full = {}
+    for file in sorted(path.glob("*.safetensors")):
+        full.update(load_file(file))
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+def save_hf(folder: Path, step: int, model, model_cfg: dict, log) -> None:
+    """Rank 0 writes the full weights as a folder that stock `LlamaForCausalLM.from_pretrained`
+    loads: config.json + model.safetensors. Every rank takes part in gathering them."""
+    from safetensors.torch import save_file
+
+    start = time.perf_counter()
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    path = folder / f"step-{step}-hf"
+    if is_rank0():
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        config = hf_config(model_cfg)
+        config.architectures = [LlamaForCausalLM.__name__]
+        config.save_pretrained(tmp)
+        save_file({k: v.contiguous() for k, v in weights.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+    log(f"checkpoint: wrote the HF weights of step {step} to {path} in {time.perf_counter() - start:.1f} s")
+
+
+def hf_config(model_cfg: dict) -> LlamaConfig:
+    return LlamaConfig(**model_cfg, tie_word_embeddings=False)
+
+
+def hf_folder_mismatch(path: Path, model_cfg: dict) -> str | None:
+    """What differs between an HF folder and [model], in a few words; None if nothing does."""
+    try:
+        found = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"has no readable config.json ({type(e).__name__})"
+    for key, want in model_cfg.items():
+        if key == "attn_implementation":
+            continue  # how to run attention, not what the weights are
+        have = found.get(key)
+        if key == "rope_theta":  # transformers 5 keeps it in rope_parameters
+            have = (found.get("rope_parameters") or {}).get("rope_theta", have)
+        if have != want:
+            return f"config.json has {key} = {have}, [model] has {want}"
+    return hf_shapes_mismatch(path, model_cfg)
+
+
+def hf_shapes_mismatch(path: Path, model_cfg: dict) -> str | None:
+    from safetensors import safe_open
+
+    with torch.device("meta"):
+        want = {k: list(v.shape) for k, v in LlamaForCausalLM(hf_config(model_cfg)).state_dict().items()}
+    have = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return "has no *.safetensors file"
+    for file in files:
+        with safe_open(file, "pt") as f:
+            have.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
+    missing, unexpected = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+    if missing or unexpected:
+        return f"has tensors missing ({', '.join(missing[:3]) or 'none'}) or unexpected ({', '.join(unexpected[:3]) or 'none'})"
+    for key in want:
+        if want[key] != have[key]:
+            return f"has {key} of shape {have[key]}, [model] needs {want[key]}"
+    return None
