@@ -192,7 +192,7 @@ def hf_folder_mismatch(path: Path, model_cfg: dict) -> str | None:
     try:
         found = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
-        return f"has no readable config.json ({type(e).__name__})"
+        return f"no readable config.json ({type(e).__name__})"
     for key, want in model_cfg.items():
         if key == "attn_implementation":
             continue  # how to run attention, not what the weights are
@@ -212,14 +212,14 @@ def hf_shapes_mismatch(path: Path, model_cfg: dict) -> str | None:
     have = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        return "has no *.safetensors file"
+        return "no *.safetensors file"
     for file in files:
         with safe_open(file, "pt") as f:
             have.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
     missing, unexpected = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
     if missing or unexpected:
-        return f"has tensors missing ({', '.join(missing[:3]) or 'none'}) or unexpected ({', '.join(unexpected[:3]) or 'none'})"
+        return f"tensors missing ({', '.join(missing[:3]) or 'none'}) or unexpected ({', '.join(unexpected[:3]) or 'none'})"
     for key in want:
         if want[key] != have[key]:
-            return f"has {key} of shape {have[key]}, [model] needs {want[key]}"
+            return f"{key} has shape {have[key]} there, {want[key]} for [model]"
     return None

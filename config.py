@@ -224,7 +224,7 @@ def check_checkpoint(c: dict, model_cfg: dict) -> None:
     require(os.access(path, os.R_OK | os.X_OK), f"{name} cannot be read")
     if c["initial_load_in_hf"]:
         problem = hf_folder_mismatch(path, model_cfg)
-        require(problem is None, f"{name} does not fit [model]: it {problem}")
+        require(problem is None, f"{name} does not fit [model]: {problem}")
     else:
         require(is_complete(path), f"{name} is not a complete DCP checkpoint (no valid {MARKER})")
 

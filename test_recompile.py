@@ -771,9 +771,9 @@ def test_bad_checkpoint_input_is_one_line(tmp_root, tmp_path):
         ({"checkpoint.initial_load_path": str(tmp_path / "nope")}, "checkpoint.initial_load_path = '{}' does not exist"),
         ({"checkpoint.initial_load_path": str(a_file)}, "checkpoint.initial_load_path = '{}' is not a folder"),
         ({"checkpoint.initial_load_path": str(export), "checkpoint.initial_load_in_hf": True,
-          "model.hidden_size": 128}, "does not fit [model]: it config.json has hidden_size = 256, [model] has 128"),
+          "model.hidden_size": 128}, "does not fit [model]: config.json has hidden_size = 256, [model] has 128"),
         ({"checkpoint.initial_load_path": str(wrong_shape), "checkpoint.initial_load_in_hf": True},
-         "does not fit [model]: it has model.norm.weight of shape [128], [model] needs [256]"),
+         "does not fit [model]: model.norm.weight has shape [128] there, [256] for [model]"),
         ({"checkpoint.initial_load_path": str(export)}, "is not a complete DCP checkpoint"),
         ({"checkpoint.folder": str(a_file)}, "checkpoint.folder = '{}' is a file, not a folder"),
         ({"checkpoint.interval": 0}, "checkpoint.interval = 0 must be positive"),
@@ -788,5 +788,5 @@ def test_bad_checkpoint_input_is_one_line(tmp_root, tmp_path):
     proc = _torchrun(*SMALL, "--checkpoint.enable", "true", "--checkpoint.folder", str(tmp_path / "unused"),
                      "--checkpoint.initial_load_path", str(wrong_shape), "--checkpoint.initial_load_in_hf", "true")
     assert proc.returncode != 0
-    assert len(_config_error_lines(proc)) == 1 and "model.norm.weight of shape" in proc.stderr, proc.stderr
+    assert len(_config_error_lines(proc)) == 1 and "model.norm.weight has shape" in proc.stderr, proc.stderr
     assert "step " not in proc.stdout and not (tmp_path / "unused").exists()

@@ -224,19 +224,32 @@ def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forwa
     return global_mean(loss, dp_mesh), grad_norm.item()  # .item() also waits for the step to finish
 
 
-def main() -> None:
-    if {"-h", "--help"} & set(sys.argv[1:]):
-        print(__doc__ + "\n" + USAGE)
-        return
+def config_or_exit(argv: list[str]) -> dict:
+    """The checked config, or exit 2 with one line (rank 0), before any process group exists."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if {"-h", "--help"} & set(argv):
+        if rank == 0:
+            print(__doc__ + "\n" + USAGE)
+        sys.exit(0)
     try:
-        path, overrides = parse_args(sys.argv[1:])
-        cfg = load_config(path or str(Path(__file__).with_name("config.toml")), world_size, overrides)
+        path, overrides = parse_args(argv)
+        return load_config(path or str(Path(__file__).with_name("config.toml")), world_size, overrides)
     except ConfigError as e:
         if rank == 0:
             print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
 
+
+def log_tp_groups(parallel_dims, world_size: int, log) -> None:
+    """Each TP group with its nodes; a group across nodes would run TP over the slow links."""
+    groups = tp_groups_by_node(parallel_dims, world_size)
+    log("TP groups: " + " | ".join(f"{list(g)} on node {', '.join(map(str, n))}" for g, n in groups.items()))
+    if any(len(nodes) > 1 for nodes in groups.values()):
+        log("warning: a TP group spans nodes; set parallelism.tp to the GPUs per node")
+
+
+def main() -> None:
+    cfg = config_or_exit(sys.argv[1:])
     rank, world_size, device = init_distributed()
     log = print if rank == 0 else (lambda *a, **k: None)
     t, p, comp = cfg["training"], cfg["parallelism"], cfg["compile"]
@@ -248,10 +261,7 @@ def main() -> None:
 
     parallel_dims = build_mesh(cfg, world_size, device)
     if p["tp"] > 1:
-        groups = tp_groups_by_node(parallel_dims, world_size)
-        log("TP groups: " + " | ".join(f"{list(g)} on node {', '.join(map(str, n))}" for g, n in groups.items()))
-        if any(len(nodes) > 1 for nodes in groups.values()):
-            log("warning: a TP group spans nodes; set parallelism.tp to the GPUs per node")
+        log_tp_groups(parallel_dims, world_size, log)
     dp_mesh = parallel_dims.get_optional_mesh("batch") if parallel_dims else None
     dp_rank, dp_size = data_parallel_rank(dp_mesh)
 
@@ -263,6 +273,8 @@ def main() -> None:
     start_step = checkpoint.resume(ckpt, model, optimizer, scheduler, generator, log) if ckpt["enable"] else 0
     if start_step >= t["steps"]:
         log(f"checkpoint: step {start_step} is the last of training.steps = {t['steps']}; nothing to train")
+        if world_size > 1:
+            dist.destroy_process_group()
         return
     data_iter = batches(train_data, t["local_batch_size"], t["seq_len"], generator, dp_rank, dp_size)
     tokens_per_step = t["local_batch_size"] * dp_size * t["seq_len"]  # the global batch
