@@ -351,8 +351,8 @@ def test_2d_stock_layer_behaviour_matches_installed_torch(tmp_root):
 
 
 def test_2d_bfloat16_params_compile_one_graph_and_train(tmp_root):
-    bf16 = run_2d(tmp_root, **{"training.mixed_precision_param": "bfloat16", "model.num_hidden_layers": 2})
-    fp32 = run_2d(tmp_root, **{"model.num_hidden_layers": 2})
+    bf16 = run_2d(tmp_root, **{"training.mixed_precision_param": "bfloat16"})
+    fp32 = run_2d(tmp_root)
     assert bf16["error"] is None, bf16["error"]
     assert (bf16["graphs"], bf16["recompiles"]) == (1, 0), bf16["recompile_reasons"]
     assert all(math.isfinite(v) for v in bf16["losses"]), bf16["losses"]
@@ -702,8 +702,13 @@ def test_four_rank_checkpoint_resumes_on_two_ranks_and_one_process(tmp_root, tmp
         shutil.copytree(full_folder / "step-15", folder / "step-15")
         # The same global batch: 2 dp ranks x 2 windows become 4 windows on one TP group.
         out = _train(nproc, _ckpt_args(folder, local_batch=4))
-        assert f"checkpoint: loaded step 15" in out, out[-3000:]
-        assert _step_losses(out) == pytest.approx(expected, abs=1e-4), f"{nproc} rank(s)"
+        assert "checkpoint: loaded step 15" in out, out[-3000:]
+        losses = _step_losses(out)
+        assert sorted(losses) == sorted(expected)
+        # Right after the load the runs agree to 1e-4; later the meshes' different reduction
+        # orders add up (1.3e-4 at step 20 on torch 2.10.0, 2 ranks).
+        assert [losses[s] for s in (16, 17, 18)] == pytest.approx([expected[s] for s in (16, 17, 18)], abs=1e-4)
+        assert losses == pytest.approx(expected, abs=5e-4), f"{nproc} rank(s)"
         _assert_one_graph(out)
 
 
