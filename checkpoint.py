@@ -89,8 +89,7 @@ def save(folder: Path, step: int, keep_latest_k: int, model, optimizer, schedule
         dist.barrier()
     # dcp.save returns once the coordinator (rank 0) has written .metadata, which it does
     # after every rank reported its shards written.
-    dcp.save(training_state(model, optimizer, scheduler, generator, step), checkpoint_id=path,
-             no_dist=not dist.is_initialized())
+    dcp.save(training_state(model, optimizer, scheduler, generator, step), checkpoint_id=path)
     removed = []
     if is_rank0():
         write_marker(path, step)
@@ -125,7 +124,7 @@ def resume(ckpt: dict, model, optimizer, scheduler, generator, log) -> int:
     if complete:
         step, path = complete[-1]
         state = training_state(model, optimizer, scheduler, generator, step)
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         scheduler.load_state_dict(state["train"]["scheduler"])
         generator.set_state(state["train"]["data_rng"])
@@ -144,7 +143,7 @@ def resume(ckpt: dict, model, optimizer, scheduler, generator, log) -> int:
 def load_dcp_weights(model, path: Path) -> None:
     """The model part of another run's DCP checkpoint (optimizer and schedule start fresh)."""
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
 
 

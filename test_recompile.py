@@ -757,6 +757,11 @@ def test_hf_export_loads_in_stock_transformers_and_starts_a_new_run(tmp_root, tm
                      str(export), "--checkpoint.initial_load_in_hf", "true"])
     assert "loaded the HF weights of" in out, out[-3000:]
     assert _step_losses(out)[1] == pytest.approx(stock["first_batch"], abs=1e-4)
+    # The same weights from the run's own DCP checkpoint (model only), on one process.
+    out = _train(1, [*_ckpt_args(tmp_path / "new-from-dcp"), "--training.steps", "1",
+                     "--checkpoint.initial_load_path", str(full_folder / "step-20")])
+    assert "loaded the DCP weights of" in out, out[-3000:]
+    assert _step_losses(out)[1] == pytest.approx(stock["first_batch"], abs=1e-4)
 
 
 def test_bad_checkpoint_input_is_one_line(tmp_root, tmp_path):
