@@ -65,6 +65,11 @@ class ConfigError(ValueError):
     pass
 
 
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
 def parse_args(argv: list[str]) -> tuple[str | None, dict[str, object]]:
     """(`--config` path or None, {"section.key": value}) from the command line."""
     path, overrides, i = None, {}, 0
@@ -143,10 +148,6 @@ def check_values(cfg: dict, world_size: int) -> None:
     m, t, p = cfg["model"], cfg["training"], cfg["parallelism"]
     ac, data = cfg["activation_checkpoint"], cfg["data"]
 
-    def require(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
     for key in ("steps", "local_batch_size", "seq_len"):
         require(t[key] > 0, f"training.{key} = {t[key]} must be positive")
     for key in ("lr", "max_norm"):
@@ -201,10 +202,6 @@ def check_values(cfg: dict, world_size: int) -> None:
 def check_checkpoint(c: dict, model_cfg: dict) -> None:
     """[checkpoint]: values, the folder, and whether initial_load_path fits [model], all before
     any process starts."""
-    def require(ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(message)
-
     require(c["interval"] > 0, f"checkpoint.interval = {c['interval']} must be positive")
     require(c["keep_latest_k"] >= 0, f"checkpoint.keep_latest_k = {c['keep_latest_k']} must be >= 0 (0 keeps all)")
     for key in ("initial_load_path", "initial_load_in_hf", "last_save_in_hf"):
