@@ -132,7 +132,10 @@ def resume(ckpt: dict, model, optimizer, scheduler, generator, log) -> int:
         return step
     if ckpt["initial_load_path"]:
         path, hf = ckpt["initial_load_path"], ckpt["initial_load_in_hf"]
-        load_hf_weights(model, Path(path)) if hf else load_dcp_weights(model, Path(path))
+        if hf:
+            load_hf_weights(model, Path(path))
+        else:
+            load_dcp_weights(model, Path(path))
         log(f"checkpoint: none complete in {folder}; loaded the {'HF' if hf else 'DCP'} weights of "
             f"{path} in {time.perf_counter() - start:.1f} s, starting from step 1")
         return 0
