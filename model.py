@@ -14,22 +14,24 @@ positionally, so a positional `PrepareModuleInput` fits and no kwargs hook exist
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+from transformers.utils.deprecation import deprecate_kwarg
 
 
 class PositionalLlamaDecoderLayer(LlamaDecoderLayer):
-    """transformers 5.23.0 `LlamaDecoderLayer.forward`, with `self_attn(hidden_states, ...)`.
+    """transformers 5.24.0 `LlamaDecoderLayer.forward`, with `self_attn(hidden_states, ...)`.
 
     Subclassing keeps HF's `GradientCheckpointingLayer.__call__` and every weight name;
     only the call into attention differs. test_recompile.py checks that this copy still
     matches the installed transformers.
     """
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
     def forward(
         self,
         hidden_states,
         attention_mask=None,
         position_ids=None,
-        past_key_values=None,
+        cache=None,
         use_cache=False,
         position_embeddings=None,
         **kwargs,
@@ -41,7 +43,7 @@ class PositionalLlamaDecoderLayer(LlamaDecoderLayer):
             hidden_states,  # positional: the one change from HF, see the module docstring
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,
