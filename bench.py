@@ -8,7 +8,8 @@ Variants, same shapes, data, seed, optimizer, TP degree, full AC and inductor pe
   stock    train.py's model with HF's LlamaDecoderLayer and the input_kwarg_layouts plan
   norm     HF's LlamaDecoderLayer with the plan-only fix (attention's input gathered at the norm)
   eager    patched, without compile
-  titan    torchtitan.models.llama3 debugmodel with torchtitan's apply_tp/apply_ac/apply_compile
+  titan    torchtitan.models.llama3 debugmodel with torchtitan's apply_tp/apply_ac/apply_compile,
+           holding patched's initial weights (so its loss column equals patched's)
 Each run is its own torchrun process group. A cold round (empty inductor cache) comes first,
 then warm rounds (cache kept); within a round the variants alternate, so drift hits all alike.
 """
@@ -52,23 +53,35 @@ def hf_config(variant: str, args) -> dict:
     return cfg
 
 
+def titan_from_hf(hf_model, seq_len: int):
+    """torchtitan's own llama3 `Transformer` holding `hf_model`'s weights, converted by
+    torchtitan's `Llama3StateDictAdapter.from_hf`. Its args are `llama3_args["debugmodel"]`
+    with only `max_seq_len` (and the HF model's layer count) set, so any [model] value that is
+    not the debugmodel's shows up as a difference in the logits (test_parity.py)."""
+    from torchtitan.models.llama3 import Llama3StateDictAdapter, Transformer, llama3_args
+
+    args = dataclasses.replace(llama3_args["debugmodel"], max_seq_len=seq_len,
+                               n_layers=hf_model.config.num_hidden_layers)
+    model = Transformer(args)
+    weights = Llama3StateDictAdapter(args, None).from_hf(hf_model.state_dict())
+    model.load_state_dict(weights, strict=True)  # freqs_cis is a non-persistent buffer, made from args
+    return model
+
+
 def build_titan(cfg: dict, device):
-    """torchtitan's llama3 debugmodel, parallelized by torchtitan's own functions."""
+    """torchtitan's llama3 debugmodel, from the same seeded HF weights as the other variants,
+    parallelized by torchtitan's own functions."""
     import torch
     from torchtitan.config.job_config import ActivationCheckpoint, Compile
-    from torchtitan.models.llama3 import Transformer, llama3_args
     from torchtitan.models.llama3.infra.parallelize import apply_ac, apply_compile, apply_tp
 
+    from model import build_model
     from parallelize import OP_SAC_SAVE_LIST, build_parallel_dims, materialize_embedding_output
     from train import build_optimizer
 
     t = cfg["training"]
-    args = dataclasses.replace(llama3_args["debugmodel"], max_seq_len=t["seq_len"],
-                               n_layers=cfg["model"]["num_hidden_layers"])
     torch.manual_seed(t["seed"])
-    model = Transformer(args).to(device)
-    with torch.no_grad():
-        model.init_weights(buffer_device=device)
+    model = titan_from_hf(build_model(cfg["model"]), t["seq_len"]).to(device)
     tp = cfg["parallelism"]["tp"]
     if tp > 1:
         tp_mesh = build_parallel_dims(1, tp, device.type).get_mesh("tp")

@@ -199,8 +199,6 @@ def hf_folder_mismatch(path: Path, model_cfg: dict) -> str | None:
         if key == "attn_implementation":
             continue  # how to run attention, not what the weights are
         have = found.get(key)
-        if key == "rope_theta":  # transformers 5 keeps it in rope_parameters
-            have = (found.get("rope_parameters") or {}).get("rope_theta", have)
         if have != want:
             return f"config.json has {key} = {have}, [model] has {want}"
     return hf_shapes_mismatch(path, model_cfg)

@@ -15,6 +15,7 @@ USAGE = """usage: train.py [--config PATH] [--section.key VALUE ...]
 
 Every key of the config can be overridden in torchtitan's style, e.g.
     torchrun --nproc_per_node=4 train.py --parallelism.dp_shard 2 --training.steps 20
+    python train.py --model.rope_parameters.factor 1.0
 A value is read as a TOML literal (2, -1, 8e-4, true, "text") or else as plain text, so paths
 need no quotes. Overrides go through the same checks as the file."""
 
@@ -26,10 +27,17 @@ SCHEMA = {
         "num_key_value_heads": int,
         "intermediate_size": int,
         "vocab_size": int,
-        "rope_theta": float,
         "rms_norm_eps": float,
         "max_position_embeddings": int,
         "attn_implementation": str,
+        "rope_parameters": {  # transformers' "llama3" RoPE: torchtitan's RoPEScalingArgs
+            "rope_type": str,
+            "rope_theta": float,
+            "factor": float,
+            "low_freq_factor": float,
+            "high_freq_factor": float,
+            "original_max_position_embeddings": int,
+        },
     },
     "training": {
         "steps": int,
@@ -110,8 +118,13 @@ def load_config(path: str, world_size: int, overrides: dict[str, object] | None 
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
     for dotted, value in (overrides or {}).items():
-        section, key = dotted.split(".", 1)
-        cfg.setdefault(section, {})[key] = value  # an unknown name fails validation like the file's
+        *tables, key = dotted.split(".")
+        table = cfg
+        for name in tables:
+            table = table.setdefault(name, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"--{dotted}: {name} is not a table")
+        table[key] = value  # an unknown name fails validation like the file's
     validate(cfg, world_size)
     return cfg
 
@@ -127,21 +140,31 @@ def check_keys_and_types(cfg: dict) -> None:
     for section in cfg:
         if section not in SCHEMA:
             raise ConfigError(f"unknown section [{section}]; known: {', '.join(SCHEMA)}")
-    for section, fields in SCHEMA.items():
-        values = cfg.get(section)
-        if not isinstance(values, dict):
+    for section in SCHEMA:
+        if not isinstance(cfg.get(section), dict):
             raise ConfigError(f"missing section [{section}]")
-        for key in values:
-            if key not in fields:
-                raise ConfigError(f"unknown key {section}.{key}; known: {', '.join(fields)}")
-        for key, typ in fields.items():
-            if key not in values:
-                raise ConfigError(f"missing key {section}.{key} ({typ.__name__})")
-            value = values[key]
-            if typ is float and isinstance(value, int) and not isinstance(value, bool):
-                values[key] = value = float(value)
-            if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-                raise ConfigError(f"{section}.{key} = {value!r} must be of type {typ.__name__}")
+    check_table(cfg, SCHEMA, "")
+
+
+def check_table(values: dict, fields: dict, prefix: str) -> None:
+    """Every key of `fields` present with its type (a dict: a table checked the same way), no
+    other key. An int is taken where a float is asked for."""
+    for key in values:
+        if key not in fields:
+            raise ConfigError(f"unknown key {prefix}{key}; known: {', '.join(fields)}")
+    for key, typ in fields.items():
+        name = f"{prefix}{key}"
+        if key not in values:
+            raise ConfigError(f"missing key {name} ({'table' if isinstance(typ, dict) else typ.__name__})")
+        value = values[key]
+        if isinstance(typ, dict):
+            require(isinstance(value, dict), f"{name} = {value!r} must be a table")
+            check_table(value, typ, name + ".")
+            continue
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            values[key] = value = float(value)
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            raise ConfigError(f"{name} = {value!r} must be of type {typ.__name__}")
 
 
 def check_values(cfg: dict, world_size: int) -> None:
@@ -166,6 +189,9 @@ def check_values(cfg: dict, world_size: int) -> None:
     require(t["seq_len"] <= m["max_position_embeddings"],
             f"training.seq_len = {t['seq_len']} must be <= model.max_position_embeddings = "
             f"{m['max_position_embeddings']}")
+    rope = m["rope_parameters"]
+    require(rope["rope_type"] == "llama3", f"model.rope_parameters.rope_type = {rope['rope_type']!r} must be 'llama3' "
+            "(factor = 1.0 turns the scaling off)")
     require(m["attn_implementation"] == "sdpa",
             f"model.attn_implementation = {m['attn_implementation']!r} must be 'sdpa' "
             "(the sequence-parallel forward relies on SDPA's is_causal with no mask)")

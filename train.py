@@ -11,6 +11,7 @@ import time
 
 T_START = time.perf_counter()  # time to first step counts the imports too
 
+import contextlib
 import math
 import os
 import resource
@@ -224,6 +225,19 @@ def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forwa
     return global_mean(loss, dp_mesh), grad_norm.item()  # .item() also waits for the step to finish
 
 
+@contextlib.contextmanager
+def stop_on_recompile(step: int):
+    """After step 1 the stance is fail_on_recompile: a recompile raises in Dynamo with a long
+    message whose last line is the guard that failed. Exit with that line, not a traceback."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "stance is 'fail_on_recompile'" not in str(e):
+            raise
+        reason = str(e).strip().splitlines()[-1].strip(" -")
+        sys.exit(f"error: step {step} recompiled a block ({reason}); compile.fail_on_recompile = true stops the run")
+
+
 def config_or_exit(argv: list[str]) -> dict:
     """The checked config, or exit 2 with one line (rank 0), before any process group exists."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -283,7 +297,8 @@ def main() -> None:
     for step in range(start_step + 1, t["steps"] + 1):
         step_start = time.perf_counter()
         x, y = (z.to(device) for z in next(data_iter))
-        loss, grad_norm = train_step(model, optimizer, scheduler, x, y, t["max_norm"], dp_mesh=dp_mesh)
+        with stop_on_recompile(step):
+            loss, grad_norm = train_step(model, optimizer, scheduler, x, y, t["max_norm"], dp_mesh=dp_mesh)
         losses.append(loss)
         step_times.append(time.perf_counter() - step_start)
         if step == start_step + 1:
@@ -291,7 +306,7 @@ def main() -> None:
             if comp["enable"] and comp["fail_on_recompile"]:
                 # Every block has now been compiled; any further compile is a recompile.
                 torch.compiler.set_stance("fail_on_recompile")
-        log(f"step {step:3d} | loss {loss:.6f} | grad norm {grad_norm:.3f} | "
+        log(f"step {step:3d} | loss {loss:.6f} | grad norm {grad_norm:.6f} | "
             f"{tokens_per_step / step_times[-1]:7.0f} tokens/s | {time.perf_counter() - T_START:6.1f} s")
         if ckpt["enable"] and (step % ckpt["interval"] == 0 or step == t["steps"]):
             checkpoint.save(Path(ckpt["folder"]), step, ckpt["keep_latest_k"], model, optimizer, scheduler,

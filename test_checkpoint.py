@@ -1,0 +1,240 @@
+"""Checkpoints: kill -9 and resume, an unfinished save, another mesh, HF out and in."""
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import HERE, _config_error_lines, _torchrun, free_port, small_config
+from config import ConfigError, validate
+
+
+SMALL = ("--model.num_hidden_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
+         "--data.max_bytes", "1000000", "--data.eval_batches", "1")
+CKPT_STEPS = 20
+
+
+def _ckpt_args(folder: Path, *extra: str, local_batch: int = 2) -> list[str]:
+    return [*SMALL, "--training.local_batch_size", str(local_batch), "--training.steps", str(CKPT_STEPS),
+            "--checkpoint.enable", "true", "--checkpoint.folder", str(folder), "--checkpoint.interval", "5", *extra]
+
+
+def _launch(nproc: int, args: list[str]) -> subprocess.Popen:
+    """train.py on `nproc` ranks (1: a plain process), output unbuffered into a pipe."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                f"--master_port={free_port()}"] if nproc > 1 else [sys.executable]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([*launcher, str(HERE / "train.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _train(nproc: int, args: list[str]) -> str:
+    proc = _launch(nproc, args)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def _step_losses(out: str) -> dict[int, float]:
+    return {int(line.split()[1]): float(line.split("| loss ")[1].split()[0])
+            for line in out.splitlines() if line.startswith("step ") and "| loss " in line}
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (torchrun's workers), from /proc."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return sorted(kids)
+
+
+def _train_killed_after(nproc: int, args: list[str], line: str) -> str:
+    """Start training, kill -9 one rank as soon as rank 0 logs `line`; torchrun then stops."""
+    import signal
+
+    proc = _launch(nproc, args)
+    out = []
+    for text in proc.stdout:
+        out.append(text)
+        if text.startswith(line):
+            workers = _children(proc.pid) if nproc > 1 else [proc.pid]
+            os.kill(workers[-1], signal.SIGKILL)
+            break
+    out.append(proc.communicate(timeout=600)[0])
+    assert proc.returncode != 0, "".join(out)[-4000:]
+    return "".join(out)
+
+
+@functools.cache
+def uninterrupted(tmp_root: str, nproc: int, dp_shard: int) -> tuple[str, Path]:
+    folder = Path(tmp_root) / f"ckpt-full-{nproc}"
+    return _train(nproc, _ckpt_args(folder, "--parallelism.dp_shard", str(dp_shard), "--checkpoint.keep_latest_k", "2",
+                                    "--checkpoint.last_save_in_hf", "true")), folder
+
+
+def _assert_one_graph(out: str) -> None:
+    assert "compiled graphs      1 for 2 blocks" in out and "recompiles           0" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("nproc, dp_shard", [(2, 1), (4, 2)], ids=["tp2", "dp_shard2xtp2"])
+def test_killed_run_resumes_with_the_uninterrupted_losses(tmp_root, tmp_path, nproc, dp_shard):
+    full, full_folder = uninterrupted(tmp_root, nproc, dp_shard)
+    assert sorted(p.name for p in full_folder.iterdir()) == ["step-15", "step-20", "step-20-hf"], "keep_latest_k 2"
+    args = _ckpt_args(tmp_path / "ckpt", "--parallelism.dp_shard", str(dp_shard))
+    killed = _train_killed_after(nproc, args, "checkpoint: saved step 10 ")
+    assert "step  20" not in killed
+    resumed = _train(nproc, args)
+    assert f"checkpoint: loaded step 10 from {tmp_path / 'ckpt' / 'step-10'}" in resumed, resumed[-3000:]
+    expected = {s: v for s, v in _step_losses(full).items() if s > 10}
+    assert _step_losses(resumed) == pytest.approx(expected, abs=1e-5)
+    _assert_one_graph(resumed)
+
+
+def test_unfinished_save_is_skipped_for_the_previous_complete_one(tmp_root, tmp_path):
+    full, full_folder = uninterrupted(tmp_root, 2, 1)
+    folder = tmp_path / "ckpt"
+    for name in ("step-15", "step-20"):
+        shutil.copytree(full_folder / name, folder / name)
+    # step-20 as a save killed half-way leaves it: no marker, .metadata and a shard cut short.
+    newest = folder / "step-20"
+    (newest / "complete.json").unlink()
+    for name in (".metadata", "__0_0.distcp"):
+        data = (newest / name).read_bytes()
+        (newest / name).write_bytes(data[: len(data) // 2])
+    out = _train(1, _ckpt_args(folder))  # one process, from a 2-rank checkpoint
+    assert f"checkpoint: skipped {newest}: incomplete" in out, out[-3000:]
+    assert f"checkpoint: loaded step 15 from {folder / 'step-15'}" in out, out[-3000:]
+    assert sorted(_step_losses(out)) == [16, 17, 18, 19, 20]
+    assert (folder / "step-20" / "complete.json").exists(), "the resumed run saves step 20 anew"
+
+
+def test_completeness_check_rejects_cut_files_and_markers(tmp_root, tmp_path):
+    from checkpoint import is_complete
+
+    _, full_folder = uninterrupted(tmp_root, 2, 1)
+    assert is_complete(full_folder / "step-20")
+    for damage in ("marker", "shard"):
+        path = tmp_path / damage
+        shutil.copytree(full_folder / "step-20", path)
+        target = path / ("complete.json" if damage == "marker" else "__1_0.distcp")
+        target.write_bytes(target.read_bytes()[:-7])
+        assert not is_complete(path), damage
+
+
+def test_four_rank_checkpoint_resumes_on_two_ranks_and_one_process(tmp_root, tmp_path):
+    full, full_folder = uninterrupted(tmp_root, 4, 2)
+    expected = {s: v for s, v in _step_losses(full).items() if s > 15}
+    for nproc in (2, 1):
+        folder = tmp_path / f"on-{nproc}"
+        shutil.copytree(full_folder / "step-15", folder / "step-15")
+        # The same global batch: 2 dp ranks x 2 windows become 4 windows on one TP group.
+        out = _train(nproc, _ckpt_args(folder, local_batch=4))
+        assert "checkpoint: loaded step 15" in out, out[-3000:]
+        losses = _step_losses(out)
+        assert sorted(losses) == sorted(expected)
+        # Right after the load the runs agree to 1e-4; later the meshes' different reduction
+        # orders add up (1.3e-4 at step 20 on torch 2.10.0, 2 ranks).
+        assert [losses[s] for s in (16, 17, 18)] == pytest.approx([expected[s] for s in (16, 17, 18)], abs=1e-4)
+        assert losses == pytest.approx(expected, abs=5e-4), f"{nproc} rank(s)"
+        _assert_one_graph(out)
+
+
+HF_CHECK = r"""
+import json, sys, sysconfig
+from pathlib import Path
+import torch, torch.nn.functional as F
+from transformers import LlamaForCausalLM
+
+folder, seq_len, batch, seed = sys.argv[1], 64, 2, 42
+model = LlamaForCausalLM.from_pretrained(folder).eval()
+root = Path(sysconfig.get_paths()["stdlib"])
+files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
+train, held_out, total = bytearray(), bytearray(), 0
+for i, path in enumerate(files):
+    text = path.read_bytes()
+    (held_out if i % 10 == 0 else train).extend(text)
+    total += len(text)
+    if total >= 1_000_000:
+        break
+
+def loss_on_first_batch(data, seed):
+    data = torch.frombuffer(data, dtype=torch.uint8).long()
+    starts = torch.randint(len(data) - seq_len - 1, (batch,), generator=torch.Generator().manual_seed(seed))
+    x = torch.stack([data[s : s + seq_len] for s in starts])
+    y = torch.stack([data[s + 1 : s + seq_len + 1] for s in starts])
+    with torch.no_grad():
+        return F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).item()
+
+print(json.dumps({"held_out": loss_on_first_batch(held_out, seed + 1), "first_batch": loss_on_first_batch(train, seed)}))
+"""
+
+
+def test_hf_export_loads_in_stock_transformers_and_starts_a_new_run(tmp_root, tmp_path):
+    full, full_folder = uninterrupted(tmp_root, 2, 1)
+    export = full_folder / "step-20-hf"
+    assert "checkpoint: wrote the HF weights of step 20" in full
+    # A fresh process, no project code: the trainer's held-out loss (1 batch) from stock transformers.
+    proc = subprocess.run([sys.executable, "-c", HF_CHECK, str(export)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stock = json.loads(proc.stdout.splitlines()[-1])
+    held_out = float(full.split("(held-out ")[1].split(")")[0])
+    assert stock["held_out"] == pytest.approx(held_out, abs=1e-4)
+    out = _train(2, [*_ckpt_args(tmp_path / "new"), "--training.steps", "1", "--checkpoint.initial_load_path",
+                     str(export), "--checkpoint.initial_load_in_hf", "true"])
+    assert "loaded the HF weights of" in out, out[-3000:]
+    assert _step_losses(out)[1] == pytest.approx(stock["first_batch"], abs=1e-4)
+    # The same weights from the run's own DCP checkpoint (model only), on one process.
+    out = _train(1, [*_ckpt_args(tmp_path / "new-from-dcp"), "--training.steps", "1",
+                     "--checkpoint.initial_load_path", str(full_folder / "step-20")])
+    assert "loaded the DCP weights of" in out, out[-3000:]
+    assert _step_losses(out)[1] == pytest.approx(stock["first_batch"], abs=1e-4)
+
+
+def test_bad_checkpoint_input_is_one_line(tmp_root, tmp_path):
+    _, full_folder = uninterrupted(tmp_root, 2, 1)
+    export = full_folder / "step-20-hf"
+    wrong_shape = tmp_path / "wrong-shape"
+    shutil.copytree(export, wrong_shape)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(wrong_shape / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"][:128]
+    save_file(weights, wrong_shape / "model.safetensors")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    small = {"model.num_hidden_layers": 2, "checkpoint.enable": True}
+    cases = [
+        ({"checkpoint.initial_load_path": str(tmp_path / "nope")}, "checkpoint.initial_load_path = '{}' does not exist"),
+        ({"checkpoint.initial_load_path": str(a_file)}, "checkpoint.initial_load_path = '{}' is not a folder"),
+        ({"checkpoint.initial_load_path": str(export), "checkpoint.initial_load_in_hf": True,
+          "model.hidden_size": 128}, "does not fit [model]: config.json has hidden_size = 256, [model] has 128"),
+        ({"checkpoint.initial_load_path": str(wrong_shape), "checkpoint.initial_load_in_hf": True},
+         "does not fit [model]: model.norm.weight has shape [128] there, [256] for [model]"),
+        ({"checkpoint.initial_load_path": str(export)}, "is not a complete DCP checkpoint"),
+        ({"checkpoint.folder": str(a_file)}, "checkpoint.folder = '{}' is a file, not a folder"),
+        ({"checkpoint.interval": 0}, "checkpoint.interval = 0 must be positive"),
+        ({"checkpoint.enable": False, "checkpoint.last_save_in_hf": True}, "checkpoint.last_save_in_hf needs"),
+    ]
+    for overrides, message in cases:
+        path = overrides.get("checkpoint.initial_load_path", overrides.get("checkpoint.folder", ""))
+        with pytest.raises(ConfigError) as e:
+            validate(small_config(**{**small, **overrides}), world_size=2)
+        assert message.format(path) in str(e.value), overrides
+    # The launcher's view: one line, no step, nothing written.
+    proc = _torchrun(*SMALL, "--checkpoint.enable", "true", "--checkpoint.folder", str(tmp_path / "unused"),
+                     "--checkpoint.initial_load_path", str(wrong_shape), "--checkpoint.initial_load_in_hf", "true")
+    assert proc.returncode != 0
+    assert len(_config_error_lines(proc)) == 1 and "model.norm.weight has shape" in proc.stderr, proc.stderr
+    assert "step " not in proc.stdout and not (tmp_path / "unused").exists()
+

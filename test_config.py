@@ -1,0 +1,114 @@
+"""Config checks: every bad value is one line naming the field, before any process group."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import HERE, _config_error_lines, _torchrun, small_config
+from config import ConfigError, load_config, parse_args, validate
+
+
+BAD_CONFIGS = [
+    ({"training.steps": 0}, "training.steps = 0 must be positive"),
+    ({"training.local_batch_size": -2}, "training.local_batch_size = -2 must be positive"),
+    ({"training.seq_len": 63}, "training.seq_len = 63 must be divisible by parallelism.tp = 2"),
+    ({"model.num_attention_heads": 6, "model.hidden_size": 192, "model.num_key_value_heads": 3},
+     "model.num_key_value_heads = 3 must be divisible by parallelism.tp = 2"),
+    ({"model.num_attention_heads": 9, "model.hidden_size": 288, "model.num_key_value_heads": 9},
+     "model.num_attention_heads = 9 must be divisible by parallelism.tp = 2"),
+    ({"model.intermediate_size": 769}, "model.intermediate_size = 769 must be divisible by parallelism.tp = 2"),
+    ({"parallelism.tp": 3}, "parallelism.dp_shard = 1 × parallelism.tp = 3 must equal the world size 2"),
+    ({"parallelism.tp": 3, "parallelism.dp_shard": -1}, "world size 2 must be divisible by parallelism.tp = 3"),
+    ({"parallelism.tp": 1}, "parallelism.dp_shard = 1 × parallelism.tp = 1 must equal the world size 2"),
+    ({"parallelism.dp_shard": -1}, "parallelism.dp_shard and parallelism.tp are both -1"),
+    ({"parallelism.dp_shard": 0}, "parallelism.dp_shard = 0 must be -1 (the remaining ranks) or >= 1"),
+    ({"parallelism.dp_shard": 3, "parallelism.tp": 2}, "parallelism.dp_shard = 3 × parallelism.tp = 2 must equal"),
+    ({"training.mixed_precision_param": "bfloat16"},
+     "training.mixed_precision_param = 'bfloat16' needs parallelism.dp_shard > 1"),
+    ({"training.mixed_precision_reduce": "float16"},
+     "training.mixed_precision_reduce = 'float16' must be one of ['float32', 'bfloat16']"),
+    ({"training.lr": "fast"}, "training.lr = 'fast' must be of type float"),
+    ({"compile.enable": 1}, "compile.enable = 1 must be of type bool"),
+    ({"training.warmup": 3}, "unknown key training.warmup"),
+    ({"parallelism.decoder_layer": "patched"}, "parallelism.decoder_layer = 'patched' must be one of"),
+    ({"parallelism.attention_gather": "norm"}, "parallelism.attention_gather = 'norm' must be one of ['pre_hook', 'norm_output']"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_CONFIGS)
+def test_bad_config_names_field_and_constraint(overrides, message):
+    cfg = small_config(**{"model.num_hidden_layers": 6})
+    for dotted, value in overrides.items():
+        section, key = dotted.split(".")
+        cfg[section][key] = value
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=2)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("world_size, dp_shard, tp, resolved", [
+    (2, 1, -1, (1, 2)),   # the default: TP over all ranks
+    (1, 1, -1, (1, 1)),   # python train.py
+    (4, 2, -1, (2, 2)),
+    (4, -1, 2, (2, 2)),
+    (4, -1, 1, (4, 1)),   # FSDP alone
+])
+def test_minus_one_takes_the_ranks_the_other_degree_leaves(world_size, dp_shard, tp, resolved):
+    cfg = small_config(**{"parallelism.dp_shard": dp_shard, "parallelism.tp": tp})
+    validate(cfg, world_size)
+    assert (cfg["parallelism"]["dp_shard"], cfg["parallelism"]["tp"]) == resolved
+
+
+def test_command_line_overrides_are_toml_literals_or_text():
+    path, overrides = parse_args(["--parallelism.dp_shard", "-1", "--training.lr=1e-3", "--compile.enable",
+                                  "false", "--training.mixed_precision_param", "bfloat16", "--config", "c.toml",
+                                  "--data.eval_batches", "2", "--model.attn_implementation", '"sdpa"'])
+    assert path == "c.toml"
+    assert overrides == {"parallelism.dp_shard": -1, "training.lr": 1e-3, "compile.enable": False,
+                         "training.mixed_precision_param": "bfloat16", "data.eval_batches": 2,
+                         "model.attn_implementation": "sdpa"}
+    cfg = load_config(str(HERE / "config.toml"), 4, {"parallelism.dp_shard": 2, "training.steps": 7})
+    assert (cfg["parallelism"]["dp_shard"], cfg["parallelism"]["tp"], cfg["training"]["steps"]) == (2, 2, 7)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--training.warmup", "3"], "unknown key training.warmup; known: steps,"),
+    (["--checkpoints.enable", "true"], "unknown section [checkpoints]"),
+    (["--training.steps", "ten"], "training.steps = 'ten' must be of type int"),
+    (["--training.steps", "2.5"], "training.steps = 2.5 must be of type int"),
+    (["--training.steps"], "--training.steps needs a value"),
+    (["training.steps", "3"], "unexpected argument 'training.steps'"),
+    (["--steps", "3"], "unknown option --steps"),
+])
+def test_bad_override_is_the_same_one_line_error_as_the_file(argv, message):
+    with pytest.raises(ConfigError) as e:
+        path, overrides = parse_args(argv)
+        load_config(str(HERE / "config.toml"), 2, overrides)
+    assert message in str(e.value)
+
+
+def test_bad_config_file_exits_before_training_with_one_line(tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text((HERE / "config.toml").read_text().replace("steps = 40", "steps = -1"))
+    proc = _torchrun("--config", str(config))
+    assert proc.returncode != 0
+    assert _config_error_lines(proc) == ["config error: training.steps = -1 must be positive"], proc.stderr
+    assert "step " not in proc.stdout
+
+
+def test_bad_override_exits_before_training_with_one_line():
+    proc = _torchrun("--parallelism.dp_shard", "3")
+    assert proc.returncode != 0
+    assert _config_error_lines(proc) == [
+        "config error: world size 2 must be divisible by parallelism.dp_shard = 3"], proc.stderr
+    assert "step " not in proc.stdout
+
+
+def test_missing_config_file_is_one_clear_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(HERE / "train.py"), "--config", str(tmp_path / "nope.toml")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"config error: config file '{tmp_path / 'nope.toml'}' not found"
+
+

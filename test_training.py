@@ -1,0 +1,149 @@
+"""The trainer's paths end to end: torchrun, two nodes, the benchmark, every AC mode, FSDP
+alone, fail_on_recompile, and the bfloat16 policy."""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import (DP_SHARD, GLOBAL_BATCH, HERE, _losses, _torchrun, _torchrun_cmd, free_port, run_2d, run_one,
+                      run_ranks, run_tp)
+
+
+
+def test_torchrun_trains_with_one_graph_and_falling_loss():
+    proc = _torchrun("--training.steps", "12", "--model.num_hidden_layers", "4", "--training.seq_len", "128")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    assert out.count("| loss ") == 12, out
+    assert "compiled graphs      1 for 4 blocks" in out, out
+    assert "recompiles           0" in out, out
+    losses = _losses(out)
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_two_nodes_keep_every_tp_group_inside_one_node():
+    """Two torchrun agents on this machine act as two nodes of 2 ranks (c10d rendezvous);
+    with tp 2 each TP group must be the two ranks of one node."""
+    launcher = ("--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=two-nodes")
+    cmd = _torchrun_cmd("--parallelism.tp", "2", "--parallelism.dp_shard", "-1", "--training.steps", "4",
+                        "--model.num_hidden_layers", "2", "--training.seq_len", "64",
+                        "--training.local_batch_size", "2", launcher=launcher)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_LOGS="recompiles")
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-4000:]
+    out = "".join(o for o, _ in outputs)
+    assert "Recompiling function" not in out + "".join(e for _, e in outputs)
+    [groups_line] = [line for line in out.splitlines() if line.startswith("TP groups: ")]
+    groups = {}
+    for group in groups_line[len("TP groups: "):].split(" | "):
+        ranks, where = group.split("] on node ")
+        groups[tuple(int(r) for r in ranks.strip("[").split(", "))] = [int(n) for n in where.split(", ")]
+    assert sorted(groups) == [(0, 1), (2, 3)], groups_line
+    assert all(len(nodes) == 1 for nodes in groups.values()), f"a TP group spans nodes: {groups_line}"
+    assert sorted(n for nodes in groups.values() for n in nodes) == [0, 1], groups_line
+    assert "mesh                 dp_shard 2 × tp 2" in out, out
+    assert "compiled graphs      1 for 2 blocks" in out, out
+    assert "recompiles           0" in out, out
+    [memory] = [line for line in out.splitlines() if "params + optimizer" in line]
+    share = float(memory.split("(")[1].split("%")[0])
+    assert share <= 30, memory
+
+
+def test_bench_reports_one_graph_for_patched_and_torchtitan_native():
+    cmd = [sys.executable, str(HERE / "bench.py"), "--steps", "3", "--warm-rounds", "0", "--seq-len", "64",
+           "--batch", "2", "--layers", "2", "--variants", "patched,titan"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = {cells[0]: cells for cells in ([c.strip() for c in line.split("|")[1:-1]]
+            for line in proc.stdout.splitlines() if line.startswith(("| patched", "| titan")))}
+    assert rows.keys() == {"patched", "titan"}, proc.stdout
+    for name, cells in rows.items():
+        assert cells[6:8] == ["1", "0"], f"{name}: graphs/recompiles {cells[6:8]}\n{proc.stdout}"
+
+
+# checkpoints: kill -9 and resume, an unfinished save, another mesh, HF out and in --------
+
+
+# every activation-checkpointing mode, FSDP alone ---------------------------------
+
+SELECTIVE_OP = {"activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "op"}
+EVERY_2ND = {"activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "2"}
+AC_OFF = {"activation_checkpoint.mode": "none"}
+
+
+@pytest.mark.parametrize("ac, graphs", [(SELECTIVE_OP, 1), (EVERY_2ND, 2), (AC_OFF, 1)], ids=["op", "every-2nd", "none"])
+def test_every_ac_mode_trains_tp_with_the_one_process_numbers(tmp_root, ac, graphs):
+    """AC changes what backward recomputes, never the numbers. Every 2nd block checkpointed
+    means two kinds of block, so two graphs (one per kind), and still no recompile."""
+    r = run_tp(tmp_root, **ac)
+    assert r["error"] is None, r["error"]
+    assert (r["graphs"], r["recompiles"]) == (graphs, 0), r["recompile_reasons"]
+    single = run_one()
+    assert r["losses"] == pytest.approx(single["losses"], abs=1e-4)
+    assert r["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4)
+
+
+def test_fsdp_alone_trains_with_the_one_process_numbers(tmp_root):
+    r = run_ranks(tmp_root, DP_SHARD, **{"parallelism.dp_shard": DP_SHARD, "parallelism.tp": 1})
+    assert r["error"] is None, r["error"]
+    assert (r["graphs"], r["recompiles"]) == (1, 0), r["recompile_reasons"]
+    assert "" in r["fsdp_modules"] and r["kwargs_hooks"], "FSDP2 wraps the model"
+    single = run_one(**GLOBAL_BATCH)
+    assert r["losses"] == pytest.approx(single["losses"], abs=1e-4)
+    assert r["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4)
+
+
+def test_bfloat16_policy_computes_in_bfloat16_and_reduces_in_the_reduce_dtype(tmp_root):
+    """dp_shard 2 x tp 2 with bfloat16 params, float32 reduce: inside forward lm_head's weight
+    is bfloat16 (FSDP's unsharded copy), and the gradients FSDP reduce-scatters are float32,
+    although backward computed them in bfloat16 (FSDP's default reduce dtype)."""
+    bf16 = run_2d(tmp_root, **{"training.mixed_precision_param": "bfloat16"})
+    fp32 = run_2d(tmp_root)
+    assert bf16["error"] is None, bf16["error"]
+    assert (bf16["graphs"], bf16["recompiles"]) == (1, 0), bf16["recompile_reasons"]
+    assert bf16["forward_dtypes"] == ["torch.bfloat16"] and fp32["forward_dtypes"] == ["torch.float32"]
+    assert bf16["reduce_scatter_dtypes"] == ["torch.float32"], bf16["reduce_scatter_dtypes"]
+    assert all(math.isfinite(v) for v in bf16["losses"]), bf16["losses"]
+    assert bf16["losses"] == pytest.approx(fp32["losses"], abs=0.05)
+
+
+# fail_on_recompile stops the run ---------------------------------------------------
+
+HALF_LENGTH_AFTER_STEP_ONE = """
+import sys
+sys.path.insert(0, {here!r})
+import train
+
+full_length = train.batches
+
+def batches(data, batch_size, seq_len, *args):
+    it = full_length(data, batch_size, seq_len, *args)
+    yield next(it)
+    yield from full_length(data, batch_size, seq_len // 2, *args)  # a new shape from step 2 (32 per TP rank: 16)
+
+train.batches = batches
+train.main()
+"""
+
+
+def test_fail_on_recompile_stops_the_run_with_dynamos_reason(tmp_path):
+    script = tmp_path / "half_length.py"
+    script.write_text(textwrap.dedent(HALF_LENGTH_AFTER_STEP_ONE.format(here=str(HERE))))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           str(script), "--training.steps", "4", "--model.num_hidden_layers", "2", "--training.seq_len", "64",
+           "--training.local_batch_size", "2", "--data.max_bytes", "1000000"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0
+    assert "step   1 | loss" in proc.stdout and "step   2" not in proc.stdout, proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: step 2 recompiled")]
+    assert errors and "size mismatch at index 1. expected 32, actual 16" in errors[0], proc.stderr[-3000:]
+    ranks_output = proc.stderr.split("failed (exitcode")[0]  # torchrun's own report follows
+    assert "Traceback" not in ranks_output, ranks_output[-3000:]
