@@ -40,9 +40,14 @@ def _train(nproc: int, args: list[str]) -> str:
     return out
 
 
+def _step_values(out: str, name: str = "loss") -> dict[int, float]:
+    """{step: value} of the step lines' `| loss ` or `| grad norm ` field."""
+    return {int(line.split()[1]): float(line.split(f"| {name} ")[1].split()[0])
+            for line in out.splitlines() if line.startswith("step ") and f"| {name} " in line}
+
+
 def _step_losses(out: str) -> dict[int, float]:
-    return {int(line.split()[1]): float(line.split("| loss ")[1].split()[0])
-            for line in out.splitlines() if line.startswith("step ") and "| loss " in line}
+    return _step_values(out, "loss")
 
 
 def _children(pid: int) -> list[int]:
@@ -97,6 +102,11 @@ def test_killed_run_resumes_with_the_uninterrupted_losses(tmp_root, tmp_path, np
     assert f"checkpoint: loaded step 10 from {tmp_path / 'ckpt' / 'step-10'}" in resumed, resumed[-3000:]
     expected = {s: v for s, v in _step_losses(full).items() if s > 10}
     assert _step_losses(resumed) == pytest.approx(expected, abs=1e-5)
+    # The resumed run's first gradient norm (before clipping), and every one after it.
+    norms = _step_values(resumed, "grad norm")
+    expected_norms = {s: v for s, v in _step_values(full, "grad norm").items() if s > 10}
+    assert norms[11] == pytest.approx(expected_norms[11], rel=1e-4)
+    assert norms == pytest.approx(expected_norms, rel=1e-4)
     _assert_one_graph(resumed)
 
 
