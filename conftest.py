@@ -40,8 +40,12 @@ HERE = Path(__file__).parent
 TP = 2
 DP_SHARD = 2
 STEPS = 3
-# More blocks than Dynamo's recompile_limit (8), so that on a torch with the hook-guard bug
-# the stock layer runs into the limit, as it does in a real model.
+# More blocks than Dynamo's recompile_limit, so that on a torch with the hook-guard bug the
+# stock layer runs into the limit, as a real model's 32 blocks run into the default 8. The limit
+# is lowered to 2 here (in this process and, as the module is imported again, in every spawned
+# rank): the bug is the same, and each recompile the stock layer makes on torch 2.10.0 costs a
+# whole block compile, 4 ranks on 2 cores.
+torch._dynamo.config.recompile_limit = 2
 NUM_BLOCKS = torch._dynamo.config.recompile_limit + 2
 
 

@@ -70,6 +70,11 @@ def test_command_line_overrides_are_toml_literals_or_text():
                          "model.attn_implementation": "sdpa"}
     cfg = load_config(str(HERE / "config.toml"), 4, {"parallelism.dp_shard": 2, "training.steps": 7})
     assert (cfg["parallelism"]["dp_shard"], cfg["parallelism"]["tp"], cfg["training"]["steps"]) == (2, 2, 7)
+    # A key inside a table of a section: the RoPE scaling, switched off.
+    cfg = load_config(str(HERE / "config.toml"), 2, parse_args(["--model.rope_parameters.factor", "1"])[1])
+    assert cfg["model"]["rope_parameters"] == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 1.0,
+                                               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                               "original_max_position_embeddings": 8192}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -80,6 +85,11 @@ def test_command_line_overrides_are_toml_literals_or_text():
     (["--training.steps"], "--training.steps needs a value"),
     (["training.steps", "3"], "unexpected argument 'training.steps'"),
     (["--steps", "3"], "unknown option --steps"),
+    (["--model.rope_parameters.scale", "2.0"], "unknown key model.rope_parameters.scale; known: rope_type,"),
+    (["--model.rope_parameters.factor", "big"], "model.rope_parameters.factor = 'big' must be of type float"),
+    (["--model.rope_parameters.rope_type", "linear"], "model.rope_parameters.rope_type = 'linear' must be 'llama3'"),
+    (["--model.rope_parameters", "3"], "model.rope_parameters = 3 must be a table"),
+    (["--model.hidden_size.x", "3"], "--model.hidden_size.x: hidden_size is not a table"),
 ])
 def test_bad_override_is_the_same_one_line_error_as_the_file(argv, message):
     with pytest.raises(ConfigError) as e:
