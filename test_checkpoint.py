@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -108,6 +109,9 @@ def test_killed_run_resumes_with_the_uninterrupted_losses(tmp_root, tmp_path, np
     assert norms[11] == pytest.approx(expected_norms[11], rel=1e-4)
     assert norms == pytest.approx(expected_norms, rel=1e-4)
     _assert_one_graph(resumed)
+    # A warm start: the killed run left its compiled graph in the (shared) inductor cache.
+    [caches] = [line for line in resumed.splitlines() if line.startswith("  compile caches ")]
+    assert re.search(r"AOTAutograd [1-9]\d* hit, 0 missed; FX graph [1-9]\d* hit, 0 missed on every rank", caches), caches
 
 
 def test_unfinished_save_is_skipped_for_the_previous_complete_one(tmp_root, tmp_path):

@@ -152,6 +152,24 @@ def dynamo_compile_counts() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], recompiles
 
 
+def compile_cache_counts() -> tuple[int, int, int, int]:
+    """(AOTAutograd hits, misses, FX-graph hits, misses) of this process, Dynamo's counters.
+    A warm restart hits both; a miss means the compile ran again."""
+    from torch._dynamo.utils import counters
+
+    aot, fx = counters["aot_autograd"], counters["inductor"]
+    return aot["autograd_cache_hit"], aot["autograd_cache_miss"], fx["fxgraph_cache_hit"], fx["fxgraph_cache_miss"]
+
+
+def describe_compile_caches(per_rank: list[tuple[int, int, int, int]]) -> str:
+    """One phrase for all ranks when they agree, else one per rank."""
+    def text(c):
+        return f"AOTAutograd {c[0]} hit, {c[1]} missed; FX graph {c[2]} hit, {c[3]} missed"
+    if len(set(per_rank)) == 1:
+        return text(per_rank[0]) + (" on every rank" if len(per_rank) > 1 else "")
+    return " | ".join(f"rank {r}: {text(c)}" for r, c in enumerate(per_rank))
+
+
 # -----------------------------------------------------------------------------
 
 
@@ -320,10 +338,12 @@ def main() -> None:
     local_state, full_state = params_and_optimizer_mib(model, optimizer)
     states = gather_from_ranks(local_state, world_size)
     graphs, recompiles = dynamo_compile_counts()
+    caches = gather_from_ranks(compile_cache_counts(), world_size)
     memory_kind = "max allocated" if device.type == "cuda" else "max RSS"
     log("summary:")
     log(f"  mesh                 {mesh}")
     log(f"  time to first step   {time_to_first_step:.1f} s")
+    log(f"  compile caches       {describe_compile_caches(caches)}")
     log(f"  steady tokens/s      {tokens_per_step / statistics.median(steady):.0f} global "
         f"(median of steps {t['steps'] - len(steady) + 1}-{t['steps']})")
     log(f"  peak memory per rank {', '.join(f'{p:.0f}' for p in peaks)} MiB ({memory_kind})")
