@@ -19,7 +19,8 @@ SMALL = ("--training.steps", "3", "--model.num_hidden_layers", "2", "--training.
 WITHOUT_WORKAROUND = """
 import sys
 sys.path.insert(0, {here!r})
-import parallelize, train
+import train
+import parallelize
 
 parallelize.keep_device_mesh_hash_out_of_pickles = lambda: None
 train.main()

@@ -152,19 +152,21 @@ def dynamo_compile_counts() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], recompiles
 
 
-def compile_cache_counts() -> tuple[int, int, int, int]:
-    """(AOTAutograd hits, misses, FX-graph hits, misses) of this process, Dynamo's counters.
-    A warm restart hits both; a miss means the compile ran again."""
+def compile_cache_counts() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """((hits, misses, bypasses) of AOTAutograd's cache, the same of the FX-graph cache) in
+    this process, Dynamo's counters. A warm restart hits both; a miss means the compile ran
+    again; a bypass, that the graph could not be cached at all."""
     from torch._dynamo.utils import counters
 
-    aot, fx = counters["aot_autograd"], counters["inductor"]
-    return aot["autograd_cache_hit"], aot["autograd_cache_miss"], fx["fxgraph_cache_hit"], fx["fxgraph_cache_miss"]
+    return tuple(tuple(counters[group][f"{name}_cache_{event}"] for event in ("hit", "miss", "bypass"))
+                 for group, name in (("aot_autograd", "autograd"), ("inductor", "fxgraph")))
 
 
-def describe_compile_caches(per_rank: list[tuple[int, int, int, int]]) -> str:
+def describe_compile_caches(per_rank: list) -> str:
     """One phrase for all ranks when they agree, else one per rank."""
-    def text(c):
-        return f"AOTAutograd {c[0]} hit, {c[1]} missed; FX graph {c[2]} hit, {c[3]} missed"
+    def text(counts):
+        return "; ".join(f"{cache} {hit} hit, {miss} missed" + (f", {bypass} bypassed" if bypass else "")
+                         for cache, (hit, miss, bypass) in zip(("AOTAutograd", "FX graph"), counts))
     if len(set(per_rank)) == 1:
         return text(per_rank[0]) + (" on every rank" if len(per_rank) > 1 else "")
     return " | ".join(f"rank {r}: {text(c)}" for r, c in enumerate(per_rank))
