@@ -49,15 +49,23 @@ def step_dirs(folder: Path) -> list[tuple[int, Path]]:
 
 
 def is_complete(path: Path) -> bool:
-    """A save that finished: its marker names every file with its size, and all are there in
-    full. A save killed half-way has no marker (it is written last); a file cut short after
-    the save fails the size check."""
+    return checkpoint_state(path) == "complete"
+
+
+def checkpoint_state(path: Path) -> str:
+    """"complete": its marker (written last) names every file with its size, all there in full.
+    "incomplete": known garbage (no marker: a killed save; a file cut short). "unreadable":
+    reading failed otherwise (a transient I/O error), so nothing may be deleted."""
     try:
         files = json.loads((path / MARKER).read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return bool(files) and all((path / name).is_file() and (path / name).stat().st_size == size
-                               for name, size in files.items())
+        sizes = {name: (path / name).stat().st_size for name in files}
+    except FileNotFoundError:
+        return "incomplete"
+    except OSError:
+        return "unreadable"
+    except (ValueError, KeyError, TypeError):
+        return "incomplete"  # the marker is replaced atomically: a broken one was damaged since
+    return "complete" if files and sizes == files else "incomplete"
 
 
 def write_marker(path: Path, step: int) -> None:
@@ -101,10 +109,10 @@ def save(folder: Path, step: int, keep_latest_k: int, model, optimizer, schedule
 def prune(folder: Path, newest: int, keep_latest_k: int) -> list[str]:
     """Remove complete checkpoints beyond the latest `keep_latest_k` (0 keeps all) and
     unfinished ones older than `newest`."""
-    found = step_dirs(folder)
-    complete = [p for _, p in found if is_complete(p)]
+    states = [(step, p, checkpoint_state(p)) for step, p in step_dirs(folder)]
+    complete = [p for _, p, state in states if state == "complete"]
     stale = complete[:-keep_latest_k] if keep_latest_k else []
-    stale += [p for step, p in found if step < newest and p not in complete]
+    stale += [p for step, p, state in states if step < newest and state == "incomplete"]
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return [p.name for p in stale]
@@ -114,15 +122,10 @@ def resume(ckpt: dict, model, optimizer, scheduler, generator, log) -> int:
     """Load the latest complete checkpoint in `folder` and return its step; without one,
     load `initial_load_path`'s weights (or nothing) and return 0."""
     folder = Path(ckpt["folder"])
-    found = step_dirs(folder)
-    complete = [(step, p) for step, p in found if is_complete(p)]
-    latest = complete[-1][0] if complete else -1
-    for step, path in found:
-        if step > latest:
-            log(f"checkpoint: skipped {path}: incomplete, no valid {MARKER} (a save that did not finish)")
+    latest = decided_on_rank0(lambda: latest_complete(folder, log))
     start = time.perf_counter()
-    if complete:
-        step, path = complete[-1]
+    if latest is not None:
+        step, path = latest
         state = training_state(model, optimizer, scheduler, generator, step)
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -141,6 +144,27 @@ def resume(ckpt: dict, model, optimizer, scheduler, generator, log) -> int:
         return 0
     log(f"checkpoint: none complete in {folder}; starting from step 1")
     return 0
+
+
+def latest_complete(folder: Path, log) -> tuple[int, Path] | None:
+    """(step, path) of the newest complete checkpoint, logging each newer one skipped."""
+    found = step_dirs(folder)
+    for step, path in reversed(found):
+        state = checkpoint_state(path)
+        if state == "complete":
+            return step, path
+        log(f"checkpoint: skipped {path}: {state}, no valid {MARKER} (a save that did not finish)"
+            if state == "incomplete" else f"checkpoint: skipped {path}: {state}")
+    return None
+
+
+def decided_on_rank0(decide):
+    """Rank 0's answer on every rank. Each rank listing the folder itself could pick another
+    checkpoint on a shared filesystem whose metadata some nodes see late."""
+    answer = [decide() if is_rank0() else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(answer, src=0)
+    return answer[0]
 
 
 def load_dcp_weights(model, path: Path) -> None:

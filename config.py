@@ -4,6 +4,7 @@ Everything is checked before any process group starts, so a bad value stops the 
 line naming the field, on every launch (`python train.py` or `torchrun`).
 """
 
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -86,6 +87,8 @@ def parse_args(argv: list[str]) -> tuple[str | None, dict[str, object]]:
         if not arg.startswith("--"):
             raise ConfigError(f"unexpected argument {arg!r}: overrides are written --section.key value")
         name, eq, text = arg[2:].partition("=")
+        if name != "config" and "." not in name:
+            raise ConfigError(f"unknown option --{name}: write --config PATH or --section.key value")
         if not eq:
             if i + 1 == len(argv):
                 raise ConfigError(f"--{name} needs a value")
@@ -93,10 +96,8 @@ def parse_args(argv: list[str]) -> tuple[str | None, dict[str, object]]:
         i += 1
         if name == "config":
             path = text
-        elif "." in name:
-            overrides[name] = parse_value(text)
         else:
-            raise ConfigError(f"unknown option --{name}: write --config PATH or --section.key value")
+            overrides[name] = parse_value(text)
     return path, overrides
 
 
@@ -115,6 +116,12 @@ def load_config(path: str, world_size: int, overrides: dict[str, object] | None 
             cfg = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r} not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path!r} is a folder, not a file") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
     for dotted, value in (overrides or {}).items():
@@ -141,8 +148,9 @@ def check_keys_and_types(cfg: dict) -> None:
         if section not in SCHEMA:
             raise ConfigError(f"unknown section [{section}]; known: {', '.join(SCHEMA)}")
     for section in SCHEMA:
-        if not isinstance(cfg.get(section), dict):
+        if section not in cfg:
             raise ConfigError(f"missing section [{section}]")
+        require(isinstance(cfg[section], dict), f"{section} = {cfg[section]!r} must be a table, [{section}]")
     check_table(cfg, SCHEMA, "")
 
 
@@ -161,10 +169,13 @@ def check_table(values: dict, fields: dict, prefix: str) -> None:
             require(isinstance(value, dict), f"{name} = {value!r} must be a table")
             check_table(value, typ, name + ".")
             continue
-        if typ is float and isinstance(value, int) and not isinstance(value, bool):
-            values[key] = value = float(value)
+        if typ in (float, str) and isinstance(value, int) and not isinstance(value, bool):
+            values[key] = value = typ(value)  # 8 as 8.0; selective_ac_option = 2 as "2"
         if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
             raise ConfigError(f"{name} = {value!r} must be of type {typ.__name__}")
+        # Every float here (lr, max_norm, rms_norm_eps, the RoPE values) is a positive quantity;
+        # inf, nan, 0 or a negative one would train on NaN from the first step.
+        require(typ is not float or (math.isfinite(value) and value > 0), f"{name} = {value} must be finite and > 0")
 
 
 def check_values(cfg: dict, world_size: int) -> None:
@@ -192,6 +203,10 @@ def check_values(cfg: dict, world_size: int) -> None:
     rope = m["rope_parameters"]
     require(rope["rope_type"] == "llama3", f"model.rope_parameters.rope_type = {rope['rope_type']!r} must be 'llama3' "
             "(factor = 1.0 turns the scaling off)")
+    require(rope["factor"] >= 1, f"model.rope_parameters.factor = {rope['factor']} must be >= 1 (1: no scaling)")
+    require(rope["high_freq_factor"] > rope["low_freq_factor"],
+            f"model.rope_parameters.high_freq_factor = {rope['high_freq_factor']} must be > low_freq_factor = "
+            f"{rope['low_freq_factor']}")
     require(m["attn_implementation"] == "sdpa",
             f"model.attn_implementation = {m['attn_implementation']!r} must be 'sdpa' "
             "(the sequence-parallel forward relies on SDPA's is_causal with no mask)")
@@ -220,9 +235,18 @@ def check_values(cfg: dict, world_size: int) -> None:
     require(option == "op" or (option.isdigit() and int(option) > 0),
             f"activation_checkpoint.selective_ac_option = {option!r} must be 'op' or a positive integer")
 
+    backend = cfg["compile"]["backend"]
+    require(backend in compile_backends(exclude_tags=()),
+            f"compile.backend = {backend!r} is not a torch.compile backend ({', '.join(compile_backends())}, ...)")
     require(data["max_bytes"] >= 1_000_000, f"data.max_bytes = {data['max_bytes']} must be >= 1000000")
     require(data["eval_batches"] >= 0, f"data.eval_batches = {data['eval_batches']} must be >= 0")
     check_checkpoint(cfg["checkpoint"], m)
+
+
+def compile_backends(**kwargs) -> list[str]:
+    import torch._dynamo
+
+    return torch._dynamo.list_backends(**kwargs)
 
 
 def check_checkpoint(c: dict, model_cfg: dict) -> None:
@@ -238,8 +262,24 @@ def check_checkpoint(c: dict, model_cfg: dict) -> None:
         return
     folder = Path(c["folder"])
     require(not folder.exists() or folder.is_dir(), f"checkpoint.folder = {c['folder']!r} is a file, not a folder")
-    if not c["initial_load_path"]:
-        return
+    if c["initial_load_path"]:
+        check_initial_load(c, model_cfg)
+    check_writable(folder, f"checkpoint.folder = {c['folder']!r}")  # last: it creates the folder
+
+
+def check_writable(folder: Path, name: str) -> None:
+    """Create the folder and a file in it now, rather than fail at the first save, after the
+    training up to it."""
+    probe = folder / f".write-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{name} cannot be created or written: {e.strerror or e}") from None
+
+
+def check_initial_load(c: dict, model_cfg: dict) -> None:
     path = Path(c["initial_load_path"])
     name = f"checkpoint.initial_load_path = {c['initial_load_path']!r}"
     require(path.exists(), f"{name} does not exist")
@@ -270,3 +310,38 @@ def resolve_mesh(dp_shard: int, tp: int, world_size: int) -> tuple[int, int]:
         raise ConfigError(f"parallelism.dp_shard = {dp_shard} × parallelism.tp = {tp} must equal "
                           f"the world size {world_size}")
     return dp_shard, tp
+
+
+def check_resources(cfg: dict, local_world_size: int) -> None:
+    """A GPU per process where there are GPUs, and memory for each process's share of the
+    parameters, gradients and AdamW's two moments (float32: 16 bytes per parameter). With the
+    activations on top, this stops the impossible, not the merely tight."""
+    import torch
+
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        require(local_world_size <= gpus, f"{local_world_size} processes on this node (torchrun --nproc_per_node) "
+                f"but {gpus} GPU(s): each process needs a GPU of its own")
+        available, where = torch.cuda.get_device_properties(0).total_memory, "GPU 0 has"
+    else:
+        available, where = memory_available() / local_world_size, f"1/{local_world_size} of this machine's free memory is"
+    p, params = cfg["parallelism"], count_parameters(cfg["model"])
+    need = 16 * params / (p["tp"] * p["dp_shard"])
+    require(need < available, f"[model] has {params:,} parameters: {need / 2**30:,.1f} GiB per process for them, "
+            f"their gradients and AdamW's state (16 bytes each over tp x dp_shard = {p['tp'] * p['dp_shard']}), "
+            f"and {where} {available / 2**30:,.1f} GiB")
+
+
+def count_parameters(m: dict) -> int:
+    """LlamaForCausalLM's parameter count from [model]: embedding and lm_head (not tied),
+    per block q/k/v/o, the gated MLP and two norms, and the final norm."""
+    hidden, head_dim = m["hidden_size"], m["hidden_size"] // m["num_attention_heads"]
+    attention = 2 * hidden * m["num_attention_heads"] * head_dim + 2 * hidden * m["num_key_value_heads"] * head_dim
+    block = attention + 3 * hidden * m["intermediate_size"] + 2 * hidden
+    return 2 * m["vocab_size"] * hidden + m["num_hidden_layers"] * block + hidden
+
+
+def memory_available() -> int:
+    """Linux's MemAvailable (free plus reclaimable cache), in bytes."""
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return int(meminfo["MemAvailable"].split()[0]) * 1024

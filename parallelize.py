@@ -44,15 +44,11 @@ def build_parallel_dims(dp_shard: int, tp: int, device_type: str) -> ParallelDim
 
 
 def keep_device_mesh_hash_out_of_pickles() -> None:
-    """Workaround, torch 2.14.1 (the pinned torch; Python 3.11): AOTAutograd's cache key is a
-    pickle of the graph's inputs, the TP `DeviceMesh` among them, and `DeviceMesh.__getstate__`
-    keeps `_hash`: this process's `hash()` of the mesh, cached lazily. `hash(None)` (the mesh's
-    `_thread_id`) is address-based before Python 3.12 and string hashes are salted per process,
-    so the key differs on every run and a restarted TP job misses the AOTAutograd and FX-graph
-    caches. Leaving `_hash` out changes nothing else: an unpickled mesh computes it again. The
-    key keeps the rank (`_rank`, the coordinates, the group names), so ranks still never share
-    an entry (pytorch/pytorch#188390). Related upstream: #173526 (stable DTensor cache keys).
-    test_caches.py fails on the first torch that no longer needs this."""
+    """Workaround, torch 2.14.1: AOTAutograd's cache key pickles the TP `DeviceMesh`, whose
+    state keeps `_hash`, this process's `hash()` of it (address-based for None before Python
+    3.12, salted for strings), so every TP restart misses the AOTAutograd and FX-graph caches.
+    An unpickled mesh recomputes `_hash`; the key keeps the rank, so ranks never share an entry
+    (pytorch/pytorch#188390; related: #173526). test_caches.py says when it is not needed."""
     original = DeviceMesh.__getstate__
     if getattr(original, "keeps_hash_out", False):
         return

@@ -62,9 +62,16 @@ def _losses(proc) -> list[float]:
     return [float(line.split("| loss ")[1].split()[0]) for line in proc.stdout.splitlines() if "| loss " in line]
 
 
-def test_second_tp_run_hits_the_compile_caches_each_rank_its_own(tmp_path):
-    cold = _run(tmp_path / "cache", tmp_path)
-    warm = _run(tmp_path / "cache", tmp_path)
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One inductor cache for both tests: the second reuses the first's C++ builds, which
+    neither AOTAutograd's nor the FX-graph key depends on."""
+    return tmp_path_factory.mktemp("inductor-cache")
+
+
+def test_second_tp_run_hits_the_compile_caches_each_rank_its_own(cache_dir, tmp_path):
+    cold = _run(cache_dir, tmp_path)
+    warm = _run(cache_dir, tmp_path)
     assert re.fullmatch(r"AOTAutograd 0 hit, \d+ missed; FX graph 0 hit, \d+ missed on every rank",
                         _summary(cold, "compile caches")), cold.stdout
     assert re.fullmatch(r"AOTAutograd [1-9]\d* hit, 0 missed; FX graph [1-9]\d* hit, 0 missed on every rank",
@@ -79,10 +86,10 @@ def test_second_tp_run_hits_the_compile_caches_each_rank_its_own(tmp_path):
         assert loaded[rank] and loaded[rank] <= written[rank], f"rank {rank} loaded {loaded[rank]}, wrote {written}"
 
 
-def test_without_the_mesh_hash_workaround_a_second_tp_run_misses(tmp_path):
+def test_without_the_mesh_hash_workaround_a_second_tp_run_misses(cache_dir, tmp_path):
     """When this fails, the installed torch keys its caches stably by itself: remove
     parallelize.keep_device_mesh_hash_out_of_pickles."""
-    _run(tmp_path / "cache", tmp_path, workaround=False)
-    second = _run(tmp_path / "cache", tmp_path, workaround=False)
+    _run(cache_dir, tmp_path, workaround=False)
+    second = _run(cache_dir, tmp_path, workaround=False)
     assert re.fullmatch(r"AOTAutograd 0 hit, [1-9]\d* missed; .* on every rank", _summary(second, "compile caches")), \
         second.stdout

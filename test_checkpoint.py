@@ -252,3 +252,69 @@ def test_bad_checkpoint_input_is_one_line(tmp_root, tmp_path):
     assert len(_config_error_lines(proc)) == 1 and "model.norm.weight has shape" in proc.stderr, proc.stderr
     assert "step " not in proc.stdout and not (tmp_path / "unused").exists()
 
+
+
+# a folder that reads differently per rank, or fails to read once -------------------------
+
+def _resume_main(rank: int, port: int, folder: str, out: str) -> None:
+    """Two TP ranks resume from `folder`; rank 1 sees the newest checkpoint as not there yet,
+    as a node with stale metadata on a shared filesystem would."""
+    import torch
+    import torch.distributed as dist
+
+    import checkpoint
+    import train
+    from conftest import small_config
+    from config import validate
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    if rank == 1:
+        real_state = checkpoint.checkpoint_state
+        checkpoint.checkpoint_state = lambda p: "incomplete" if p.name == f"step-{CKPT_STEPS}" else real_state(p)
+    cfg = small_config(**{"model.num_hidden_layers": 2, "compile.enable": False, "checkpoint.enable": True,
+                          "checkpoint.folder": folder})
+    validate(cfg, 2)
+    model, optimizer, scheduler = train.build_training(cfg, torch.device("cpu"), train.build_mesh(cfg, 2, torch.device("cpu")))
+    step = checkpoint.resume(cfg["checkpoint"], model, optimizer, scheduler, torch.Generator(), lambda *a: None)
+    steps = [None, None]
+    dist.all_gather_object(steps, step)
+    if rank == 0:
+        Path(out).write_text(json.dumps(steps))
+    dist.destroy_process_group()
+
+
+def test_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_root, tmp_path):
+    import torch.multiprocessing as mp
+
+    _, full_folder = uninterrupted(tmp_root, 2, 1)
+    folder = tmp_path / "ckpt"
+    for name in ("step-15", f"step-{CKPT_STEPS}"):
+        shutil.copytree(full_folder / name, folder / name)
+    out = tmp_path / "steps.json"
+    mp.spawn(_resume_main, args=(free_port(), str(folder), str(out)), nprocs=2)
+    assert json.loads(out.read_text()) == [CKPT_STEPS, CKPT_STEPS], "rank 1 must load rank 0's choice"
+
+
+def test_prune_never_deletes_a_complete_checkpoint_it_failed_to_read(tmp_root, tmp_path, monkeypatch):
+    from checkpoint import MARKER, prune
+
+    _, full_folder = uninterrupted(tmp_root, 2, 1)
+    folder = tmp_path / "ckpt"
+    for name in ("step-15", f"step-{CKPT_STEPS}"):
+        shutil.copytree(full_folder / name, folder / name)
+    (folder / "step-10").mkdir()  # a save killed before its marker: known garbage
+    real_read_text, failed = Path.read_text, []
+
+    def read_text_failing_once(path, *args, **kwargs):
+        if path == folder / "step-15" / MARKER and not failed:
+            failed.append(path)
+            raise OSError(5, "Input/output error")  # a transient EIO
+        return real_read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read_text_failing_once)
+    removed = prune(folder, newest=CKPT_STEPS, keep_latest_k=0)
+    assert failed, "the marker read must have failed once"
+    assert removed == ["step-10"]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-15", f"step-{CKPT_STEPS}"]

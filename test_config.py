@@ -122,3 +122,55 @@ def test_missing_config_file_is_one_clear_line(tmp_path):
     assert proc.stderr.strip() == f"config error: config file '{tmp_path / 'nope.toml'}' not found"
 
 
+
+
+# bad input found before any work: one line from `python train.py`, no traceback ----------
+
+def _probes(tmp_path) -> list[tuple[list[str], str]]:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes((HERE / "config.toml").read_text().replace("# The one", "# Caf\u00e9: the one").encode("latin-1"))
+    not_a_table = tmp_path / "model-3.toml"
+    text = (HERE / "config.toml").read_text()
+    not_a_table.write_text("model = 3\n" + text[text.index("[training]"):])
+    return [
+        (["--config", str(tmp_path)], f"config file '{tmp_path}' is a folder, not a file"),
+        (["--config", str(latin1)], f"config file '{latin1}' is not UTF-8 text"),
+        (["--config", str(not_a_table)], "model = 3 must be a table, [model]"),
+        (["--help-me"], "unknown option --help-me"),
+        (["--compile.backend", "nosuchbackend"], "compile.backend = 'nosuchbackend' is not a torch.compile backend"),
+        (["--model.vocab_size", "100000000000"], "[model] has 51,200,005,115,136 parameters"),
+        (["--model.hidden_size", "1048576", "--model.num_attention_heads", "16"], "GiB per process for them"),
+        (["--checkpoint.enable", "true", "--checkpoint.folder", f"{a_file}/sub"],
+         f"checkpoint.folder = '{a_file}/sub' cannot be created or written: Not a directory"),
+        (["--checkpoint.enable", "true", "--checkpoint.folder", "/proc/nope"],
+         "checkpoint.folder = '/proc/nope' cannot be created or written"),
+        (["--training.lr", "inf"], "training.lr = inf must be finite and > 0"),
+        (["--model.rms_norm_eps", "-1.0"], "model.rms_norm_eps = -1.0 must be finite and > 0"),
+        (["--model.rope_parameters.rope_theta", "0.0"], "model.rope_parameters.rope_theta = 0.0 must be finite and > 0"),
+    ]
+
+
+def test_every_bad_input_is_one_line_before_any_work(tmp_path):
+    probes = _probes(tmp_path)
+    procs = [subprocess.Popen([sys.executable, str(HERE / "train.py"), *argv], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for argv, _ in probes]
+    for (argv, message), proc in zip(probes, procs):
+        out, err = proc.communicate(timeout=300)
+        lines = err.splitlines()
+        assert proc.returncode == 2, (argv, err[-3000:])
+        assert len(lines) == 1 and lines[0].startswith("config error: ") and message in lines[0], (argv, err[-3000:])
+        assert "step " not in out, argv
+
+
+def test_too_many_processes_for_the_gpus_is_a_config_error(monkeypatch):
+    import torch
+
+    from config import check_resources
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError) as e:
+        check_resources(small_config(), local_world_size=2)
+    assert "2 processes on this node (torchrun --nproc_per_node) but 1 GPU(s)" in str(e.value)

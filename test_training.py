@@ -57,7 +57,7 @@ def test_two_nodes_keep_every_tp_group_inside_one_node():
     assert share <= 30, memory
 
 
-def test_bench_reports_one_graph_for_patched_and_torchtitan_native():
+def test_bench_reports_one_graph_and_the_same_losses_for_patched_and_torchtitan_native():
     cmd = [sys.executable, str(HERE / "bench.py"), "--steps", "3", "--warm-rounds", "0", "--seq-len", "64",
            "--batch", "2", "--layers", "2", "--variants", "patched,titan"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -67,6 +67,8 @@ def test_bench_reports_one_graph_for_patched_and_torchtitan_native():
     assert rows.keys() == {"patched", "titan"}, proc.stdout
     for name, cells in rows.items():
         assert cells[6:8] == ["1", "0"], f"{name}: graphs/recompiles {cells[6:8]}\n{proc.stdout}"
+    # torchtitan's model starts from patched's weights (bench.titan_from_hf): the same losses.
+    assert rows["titan"][8] == rows["patched"][8], proc.stdout
 
 
 # checkpoints: kill -9 and resume, an unfinished save, another mesh, HF out and in --------
@@ -144,6 +146,55 @@ def test_fail_on_recompile_stops_the_run_with_dynamos_reason(tmp_path):
     assert proc.returncode != 0
     assert "step   1 | loss" in proc.stdout and "step   2" not in proc.stdout, proc.stdout
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: step 2 recompiled")]
-    assert errors and "size mismatch at index 1. expected 32, actual 16" in errors[0], proc.stderr[-3000:]
+    assert len(errors) == 1 and "size mismatch at index 1. expected 32, actual 16" in errors[0], proc.stderr[-3000:]
     ranks_output = proc.stderr.split("failed (exitcode")[0]  # torchrun's own report follows
     assert "Traceback" not in ranks_output, ranks_output[-3000:]
+
+
+# a non-finite loss stops the run at its step; selective_ac_option = 2; no held-out loss ----
+
+NAN_FROM_STEP_THREE = """
+import sys
+sys.path.insert(0, {here!r})
+import train
+
+real_step, calls = train.train_step, []
+
+def train_step(*args, **kwargs):
+    loss, grad_norm = real_step(*args, **kwargs)
+    calls.append(loss)
+    return (float("nan") if len(calls) >= 3 else loss), grad_norm
+
+train.train_step = train_step
+train.main()
+"""
+
+QUICK = ("--model.num_hidden_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
+         "--data.max_bytes", "1000000", "--compile.enable", "false")
+
+
+def test_non_finite_loss_stops_at_its_step_and_keeps_the_last_checkpoint(tmp_path):
+    script = tmp_path / "nan.py"
+    script.write_text(textwrap.dedent(NAN_FROM_STEP_THREE.format(here=str(HERE))))
+    folder = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, str(script), *QUICK, "--training.steps", "6", "--checkpoint.enable", "true",
+                           "--checkpoint.folder", str(folder), "--checkpoint.interval", "1"],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: step 3: the loss is nan; check training.lr, training.max_norm and [model]; "
+        f"the last complete checkpoint stays in {folder}"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "step   4" not in proc.stdout and "summary" not in proc.stdout
+    assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-2"]
+
+
+def test_selective_ac_every_second_block_as_an_int_trains_and_no_eval_prints_no_held_out_loss():
+    proc = subprocess.run([sys.executable, str(HERE / "train.py"), *QUICK, "--training.steps", "2",
+                           "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
+                           "2", "--data.eval_batches", "0"], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [loss_line] = [line for line in proc.stdout.splitlines() if line.startswith("  loss ")]
+    assert "->" in loss_line and "held-out" not in loss_line, loss_line
+    assert "AC=selective" in proc.stdout

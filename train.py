@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.distributed.utils import clip_grad_norm_
 
 import checkpoint
-from config import USAGE, ConfigError, load_config, parse_args
+from config import USAGE, ConfigError, check_resources, load_config, parse_args
 from model import build_model, forward_logits
 from parallelize import build_parallel_dims, parallelize
 
@@ -153,9 +153,8 @@ def dynamo_compile_counts() -> tuple[int, int]:
 
 
 def compile_cache_counts() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """((hits, misses, bypasses) of AOTAutograd's cache, the same of the FX-graph cache) in
-    this process, Dynamo's counters. A warm restart hits both; a miss means the compile ran
-    again; a bypass, that the graph could not be cached at all."""
+    """(hits, misses, bypasses) of AOTAutograd's and of the FX-graph cache, Dynamo's counters.
+    A warm restart hits both; a bypass is a graph that could not be cached at all."""
     from torch._dynamo.utils import counters
 
     return tuple(tuple(counters[group][f"{name}_cache_{event}"] for event in ("hit", "miss", "bypass"))
@@ -246,7 +245,7 @@ def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forwa
 
 
 @contextlib.contextmanager
-def stop_on_recompile(step: int):
+def stop_on_recompile(step: int, rank: int):
     """After step 1 the stance is fail_on_recompile: a recompile raises in Dynamo with a long
     message whose last line is the guard that failed. Exit with that line, not a traceback."""
     try:
@@ -255,7 +254,8 @@ def stop_on_recompile(step: int):
         if "stance is 'fail_on_recompile'" not in str(e):
             raise
         reason = str(e).strip().splitlines()[-1].strip(" -")
-        sys.exit(f"error: step {step} recompiled a block ({reason}); compile.fail_on_recompile = true stops the run")
+        exit_with(f"error: step {step} recompiled a block ({reason}); compile.fail_on_recompile = true stops the run",
+                  rank)
 
 
 def config_or_exit(argv: list[str]) -> dict:
@@ -267,11 +267,21 @@ def config_or_exit(argv: list[str]) -> dict:
         sys.exit(0)
     try:
         path, overrides = parse_args(argv)
-        return load_config(path or str(Path(__file__).with_name("config.toml")), world_size, overrides)
+        cfg = load_config(path or str(Path(__file__).with_name("config.toml")), world_size, overrides)
+        check_resources(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        return cfg
     except ConfigError as e:
-        if rank == 0:
-            print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_with(f"config error: {e}", rank, code=2)
+
+
+def exit_with(line: str, rank: int, code: int = 1) -> None:
+    """Rank 0 prints the line; the others exit a moment later, so that torchrun (which stops
+    every rank once one exits) cannot cut rank 0 off before it prints."""
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        time.sleep(2)
+    sys.exit(code)
 
 
 def log_tp_groups(parallel_dims, world_size: int, log) -> None:
@@ -317,8 +327,11 @@ def main() -> None:
     for step in range(start_step + 1, t["steps"] + 1):
         step_start = time.perf_counter()
         x, y = (z.to(device) for z in next(data_iter))
-        with stop_on_recompile(step):
+        with stop_on_recompile(step, rank):
             loss, grad_norm = train_step(model, optimizer, scheduler, x, y, t["max_norm"], dp_mesh=dp_mesh)
+        if not math.isfinite(loss):  # the global mean: every rank stops here, before any save
+            exit_with(f"error: step {step}: the loss is {loss}; check training.lr, training.max_norm and [model]"
+                      + (f"; the last complete checkpoint stays in {ckpt['folder']}" if ckpt["enable"] else ""), rank)
         losses.append(loss)
         step_times.append(time.perf_counter() - step_start)
         if step == start_step + 1:
@@ -334,7 +347,7 @@ def main() -> None:
     if ckpt["last_save_in_hf"]:
         checkpoint.save_hf(Path(ckpt["folder"]), t["steps"], model, cfg["model"], log)
 
-    held_out_loss = evaluate(model, held_out, cfg, device, dp_mesh)
+    held_out_loss = evaluate(model, held_out, cfg, device, dp_mesh) if cfg["data"]["eval_batches"] else None
     steady = step_times[2:] or step_times[1:] or step_times
     peaks = peak_memory_per_rank_mib(device, world_size)
     local_state, full_state = params_and_optimizer_mib(model, optimizer)
@@ -353,12 +366,11 @@ def main() -> None:
         f"{full_state:.1f} MiB unsharded ({max(states) / full_state:.0%} on the largest rank)")
     log(f"  compiled graphs      {graphs} for {cfg['model']['num_hidden_layers']} blocks")
     log(f"  recompiles           {recompiles}")
-    resumed = f", steps {start_step + 1}-{t['steps']}" if start_step else ""
-    log(f"  loss                 {losses[0]:.4f} -> {losses[-1]:.4f} (held-out {held_out_loss:.4f}{resumed})")
+    notes = ([f"held-out {held_out_loss:.4f}"] if held_out_loss is not None else []) + (
+        [f"steps {start_step + 1}-{t['steps']}"] if start_step else [])
+    log(f"  loss                 {losses[0]:.4f} -> {losses[-1]:.4f}" + (f" ({', '.join(notes)})" if notes else ""))
     if world_size > 1:
         dist.destroy_process_group()
-    if not all(math.isfinite(v) for v in losses):
-        sys.exit("error: non-finite loss during training")
 
 
 if __name__ == "__main__":
