@@ -193,30 +193,6 @@ def _config_error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
 
 
-def test_bad_config_file_exits_before_training_with_one_line(tmp_path):
-    config = tmp_path / "config.toml"
-    config.write_text((HERE / "config.toml").read_text().replace("steps = 40", "steps = -1"))
-    proc = _torchrun("--config", str(config))
-    assert proc.returncode != 0
-    assert _config_error_lines(proc) == ["config error: training.steps = -1 must be positive"], proc.stderr
-    assert "step " not in proc.stdout
-
-
-def test_bad_override_exits_before_training_with_one_line():
-    proc = _torchrun("--parallelism.dp_shard", "3")
-    assert proc.returncode != 0
-    assert _config_error_lines(proc) == [
-        "config error: world size 2 must be divisible by parallelism.dp_shard = 3"], proc.stderr
-    assert "step " not in proc.stdout
-
-
-def test_missing_config_file_is_one_clear_line(tmp_path):
-    proc = subprocess.run([sys.executable, str(HERE / "train.py"), "--config", str(tmp_path / "nope.toml")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == f"config error: config file '{tmp_path / 'nope.toml'}' not found"
-
-
 def _losses(out: str) -> list[float]:
     return [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
 

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from conftest import HERE, free_port
+from conftest import HERE, _losses, free_port
 
 SMALL = ("--training.steps", "3", "--model.num_hidden_layers", "2", "--training.seq_len", "64",
          "--training.local_batch_size", "2", "--data.max_bytes", "1000000", "--data.eval_batches", "1")
@@ -58,10 +58,6 @@ def _keys(proc, pattern: str) -> dict[int, set[str]]:
     return keys
 
 
-def _losses(proc) -> list[float]:
-    return [float(line.split("| loss ")[1].split()[0]) for line in proc.stdout.splitlines() if "| loss " in line]
-
-
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     """One inductor cache for both tests: the second reuses the first's C++ builds, which
@@ -77,7 +73,7 @@ def test_second_tp_run_hits_the_compile_caches_each_rank_its_own(cache_dir, tmp_
     assert re.fullmatch(r"AOTAutograd [1-9]\d* hit, 0 missed; FX graph [1-9]\d* hit, 0 missed on every rank",
                         _summary(warm, "compile caches")), warm.stdout
     assert _summary(warm, "compiled graphs") == "1 for 2 blocks"
-    assert _losses(warm) == pytest.approx(_losses(cold), abs=1e-6)
+    assert _losses(warm.stdout) == pytest.approx(_losses(cold.stdout), abs=1e-6)
 
     written = _keys(cold, r"Writing AOTAutograd cache entry to .*/aotautograd/([^/]+)/")
     loaded = _keys(warm, r"AOTAutograd cache hit for key (\S+)")
