@@ -184,8 +184,6 @@ def check_values(cfg: dict, world_size: int) -> None:
 
     for key in ("steps", "local_batch_size", "seq_len"):
         require(t[key] > 0, f"training.{key} = {t[key]} must be positive")
-    for key in ("lr", "max_norm"):
-        require(t[key] > 0, f"training.{key} = {t[key]} must be positive")
     require(t["warmup_steps"] >= 0, f"training.warmup_steps = {t['warmup_steps']} must be >= 0")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "intermediate_size", "max_position_embeddings"):
