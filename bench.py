@@ -122,7 +122,7 @@ def worker(variant: str, args) -> None:
         step_times.append(time.perf_counter() - start)
         if step == 0:
             time_to_first_step = time.perf_counter() - T_START
-    peaks = train.peak_memory_per_rank_mib(device, world_size)
+    peaks = train.gather_from_ranks(train.peak_memory_mib(device), world_size)
     graphs, recompiles = train.dynamo_compile_counts()
     if rank == 0:
         tokens = t["local_batch_size"] * t["seq_len"]

@@ -9,7 +9,11 @@ import os
 import tomllib
 from pathlib import Path
 
-from checkpoint import MARKER, hf_folder_mismatch, is_complete
+import torch
+from torch._dynamo import list_backends
+from transformers import LlamaForCausalLM
+
+from checkpoint import MARKER, hf_config, hf_folder_mismatch, is_complete
 from model import DECODER_LAYERS
 
 USAGE = """usage: train.py [--config PATH] [--section.key VALUE ...]
@@ -139,31 +143,20 @@ def load_config(path: str, world_size: int, overrides: dict[str, object] | None 
 def validate(cfg: dict, world_size: int) -> None:
     """Raise ConfigError naming the first field that breaks a rule; resolve `parallelism.tp`
     and `parallelism.dp_shard` when one of them is -1."""
-    check_keys_and_types(cfg)
+    check_table(cfg, SCHEMA)
     check_values(cfg, world_size)
 
 
-def check_keys_and_types(cfg: dict) -> None:
-    for section in cfg:
-        if section not in SCHEMA:
-            raise ConfigError(f"unknown section [{section}]; known: {', '.join(SCHEMA)}")
-    for section in SCHEMA:
-        if section not in cfg:
-            raise ConfigError(f"missing section [{section}]")
-        require(isinstance(cfg[section], dict), f"{section} = {cfg[section]!r} must be a table, [{section}]")
-    check_table(cfg, SCHEMA, "")
-
-
-def check_table(values: dict, fields: dict, prefix: str) -> None:
+def check_table(values: dict, fields: dict, prefix: str = "") -> None:
     """Every key of `fields` present with its type (a dict: a table checked the same way), no
     other key. An int is taken where a float is asked for."""
+    def what(key):  # the top-level tables are the config's sections
+        return f"key {prefix}{key}" if prefix else f"section [{key}]"
     for key in values:
-        if key not in fields:
-            raise ConfigError(f"unknown key {prefix}{key}; known: {', '.join(fields)}")
+        require(key in fields, f"unknown {what(key)}; known: {', '.join(fields)}")
     for key, typ in fields.items():
         name = f"{prefix}{key}"
-        if key not in values:
-            raise ConfigError(f"missing key {name} ({'table' if isinstance(typ, dict) else typ.__name__})")
+        require(key in values, f"missing {what(key)} ({'table' if isinstance(typ, dict) else typ.__name__})")
         value = values[key]
         if isinstance(typ, dict):
             require(isinstance(value, dict), f"{name} = {value!r} must be a table")
@@ -234,17 +227,11 @@ def check_values(cfg: dict, world_size: int) -> None:
             f"activation_checkpoint.selective_ac_option = {option!r} must be 'op' or a positive integer")
 
     backend = cfg["compile"]["backend"]
-    require(backend in compile_backends(exclude_tags=()),
-            f"compile.backend = {backend!r} is not a torch.compile backend ({', '.join(compile_backends())}, ...)")
+    require(backend in list_backends(exclude_tags=()),
+            f"compile.backend = {backend!r} is not a torch.compile backend ({', '.join(list_backends())}, ...)")
     require(data["max_bytes"] >= 1_000_000, f"data.max_bytes = {data['max_bytes']} must be >= 1000000")
     require(data["eval_batches"] >= 0, f"data.eval_batches = {data['eval_batches']} must be >= 0")
     check_checkpoint(cfg["checkpoint"], m)
-
-
-def compile_backends(**kwargs) -> list[str]:
-    import torch._dynamo
-
-    return torch._dynamo.list_backends(**kwargs)
 
 
 def check_checkpoint(c: dict, model_cfg: dict) -> None:
@@ -314,8 +301,6 @@ def check_resources(cfg: dict, local_world_size: int) -> None:
     """A GPU per process where there are GPUs, and memory for each process's share of the
     parameters, gradients and AdamW's two moments (float32: 16 bytes per parameter). With the
     activations on top, this stops the impossible, not the merely tight."""
-    import torch
-
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
         require(local_world_size <= gpus, f"{local_world_size} processes on this node (torchrun --nproc_per_node) "
@@ -330,13 +315,10 @@ def check_resources(cfg: dict, local_world_size: int) -> None:
             f"and {where} {available / 2**30:,.1f} GiB")
 
 
-def count_parameters(m: dict) -> int:
-    """LlamaForCausalLM's parameter count from [model]: embedding and lm_head (not tied),
-    per block q/k/v/o, the gated MLP and two norms, and the final norm."""
-    hidden, head_dim = m["hidden_size"], m["hidden_size"] // m["num_attention_heads"]
-    attention = 2 * hidden * m["num_attention_heads"] * head_dim + 2 * hidden * m["num_key_value_heads"] * head_dim
-    block = attention + 3 * hidden * m["intermediate_size"] + 2 * hidden
-    return 2 * m["vocab_size"] * hidden + m["num_hidden_layers"] * block + hidden
+def count_parameters(model_cfg: dict) -> int:
+    """LlamaForCausalLM's parameter count for [model], built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in LlamaForCausalLM(hf_config(model_cfg)).parameters())
 
 
 def memory_available() -> int:

@@ -137,7 +137,7 @@ def _probes(tmp_path) -> list[tuple[list[str], str]]:
     return [
         (["--config", str(tmp_path)], f"config file '{tmp_path}' is a folder, not a file"),
         (["--config", str(latin1)], f"config file '{latin1}' is not UTF-8 text"),
-        (["--config", str(not_a_table)], "model = 3 must be a table, [model]"),
+        (["--config", str(not_a_table)], "model = 3 must be a table"),
         (["--help-me"], "unknown option --help-me"),
         (["--compile.backend", "nosuchbackend"], "compile.backend = 'nosuchbackend' is not a torch.compile backend"),
         (["--model.vocab_size", "100000000000"], "[model] has 51,200,005,115,136 parameters"),

@@ -116,10 +116,6 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux: KiB
 
 
-def peak_memory_per_rank_mib(device: torch.device, world_size: int) -> list[float]:
-    return gather_from_ranks(peak_memory_mib(device), world_size)
-
-
 def params_and_optimizer_mib(model, optimizer) -> tuple[float, float]:
     """(this rank's share, the unsharded total) of parameters + optimizer state, in MiB: what
     FSDP and TP shard, which a process's RSS hides. A DTensor's numel() is the global size,
@@ -349,7 +345,7 @@ def main() -> None:
 
     held_out_loss = evaluate(model, held_out, cfg, device, dp_mesh) if cfg["data"]["eval_batches"] else None
     steady = step_times[2:] or step_times[1:] or step_times
-    peaks = peak_memory_per_rank_mib(device, world_size)
+    peaks = gather_from_ranks(peak_memory_mib(device), world_size)
     local_state, full_state = params_and_optimizer_mib(model, optimizer)
     states = gather_from_ranks(local_state, world_size)
     graphs, recompiles = dynamo_compile_counts()
