@@ -156,7 +156,7 @@ def check_table(values: dict, fields: dict, prefix: str = "") -> None:
         require(key in fields, f"unknown {what(key)}; known: {', '.join(fields)}")
     for key, typ in fields.items():
         name = f"{prefix}{key}"
-        require(key in values, f"missing {what(key)} ({'table' if isinstance(typ, dict) else typ.__name__})")
+        require(key in values, f"missing {what(key)}" + (f" ({getattr(typ, '__name__', 'table')})" if prefix else ""))
         value = values[key]
         if isinstance(typ, dict):
             require(isinstance(value, dict), f"{name} = {value!r} must be a table")

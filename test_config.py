@@ -47,6 +47,24 @@ def test_bad_config_names_field_and_constraint(overrides, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("path, message", [
+    (("data",), "missing section [data]"),
+    (("training", "seed"), "missing key training.seed (int)"),
+    (("model", "rope_parameters"), "missing key model.rope_parameters (table)"),
+    (("model", "rope_parameters", "factor"), "missing key model.rope_parameters.factor (float)"),
+])
+def test_missing_section_or_key_is_named_with_its_type(path, message):
+    cfg = small_config()
+    *tables, key = path
+    table = cfg
+    for name in tables:
+        table = table[name]
+    del table[key]
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=2)
+    assert str(e.value) == message
+
+
 @pytest.mark.parametrize("world_size, dp_shard, tp, resolved", [
     (2, 1, -1, (1, 2)),   # the default: TP over all ranks
     (1, 1, -1, (1, 1)),   # python train.py
