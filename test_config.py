@@ -170,14 +170,36 @@ def _probes(tmp_path) -> list[tuple[list[str], str]]:
     ]
 
 
-def test_every_bad_input_is_one_line_before_any_work(tmp_path):
-    probes = _probes(tmp_path)
+def test_every_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    """Each probe through train.config_or_exit, the first thing train.main does (before any
+    process group), in this process: exit 2 and one line on stderr. Any other exception would
+    be the traceback the probe must not give. The real `python train.py` path is
+    test_every_bad_input_exits_2_from_python_train_py."""
+    import train
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for argv, message in _probes(tmp_path):
+        with pytest.raises(SystemExit) as exit:
+            train.config_or_exit(argv)
+            pytest.fail(f"{argv} passed every check")
+        out, err = capsys.readouterr()
+        lines = err.splitlines()
+        assert exit.value.code == 2, (argv, err)
+        assert len(lines) == 1 and lines[0].startswith("config error: ") and message in lines[0], (argv, err)
+        assert out == "", argv
+
+
+def test_every_bad_input_exits_2_from_python_train_py(tmp_path):
+    """Two probes as a user runs them: the folder as --config (the file is read) and an
+    unknown compile backend (torch is asked)."""
+    probes = [_probes(tmp_path)[i] for i in (0, 4)]
     procs = [subprocess.Popen([sys.executable, str(HERE / "train.py"), *argv], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for argv, _ in probes]
     for (argv, message), proc in zip(probes, procs):
         out, err = proc.communicate(timeout=300)
-        lines = err.splitlines()
         assert proc.returncode == 2, (argv, err[-3000:])
+        lines = err.splitlines()
         assert len(lines) == 1 and lines[0].startswith("config error: ") and message in lines[0], (argv, err[-3000:])
         assert "step " not in out, argv
 
