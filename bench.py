@@ -38,7 +38,8 @@ RESULT_TAG = "BENCH_RESULT "
 # worker: one variant, one torchrun process group
 
 
-def hf_config(variant: str, args) -> dict:
+def variant_config(variant: str, args) -> dict:
+    """config.toml with the benchmark's shapes and the variant's layer, plan and compile."""
     import tomllib
 
     with open(HERE / "config.toml", "rb") as f:
@@ -100,37 +101,33 @@ def worker(variant: str, args) -> None:
     import torch.distributed as dist
 
     import config
+    import report
     import train
 
-    rank, world_size, device = train.init_distributed()
-    cfg = hf_config(variant, args)
-    config.validate(cfg, world_size)
+    launch = train.launch_env()
+    device = train.init_distributed(launch)
+    cfg = variant_config(variant, args)
+    config.validate(cfg, launch.world_size)
     t = cfg["training"]
     data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
     if variant == "titan":
         model, optimizer, scheduler = build_titan(cfg, device)
         forward = lambda model, x: model(x)  # noqa: E731
     else:
-        model, optimizer, scheduler = train.build_training(cfg, device, train.build_mesh(cfg, world_size, device))
+        model, optimizer, scheduler = train.build_training(cfg, device, train.build_mesh(cfg, launch.world_size, device))
         forward = train.forward_logits
     batches = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
-    losses, step_times = [], []
-    for step in range(t["steps"]):
-        start = time.perf_counter()
-        x, y = (z.to(device) for z in next(batches))
-        losses.append(train.train_step(model, optimizer, scheduler, x, y, t["max_norm"], forward)[0])
-        step_times.append(time.perf_counter() - start)
-        if step == 0:
-            time_to_first_step = time.perf_counter() - T_START
-    peaks = train.gather_from_ranks(train.peak_memory_mib(device), world_size)
-    graphs, recompiles = train.dynamo_compile_counts()
-    if rank == 0:
-        tokens = t["local_batch_size"] * t["seq_len"]
-        result = dict(variant=variant, time_to_first_step=time_to_first_step,
-                      tokens_per_s=tokens / statistics.median(step_times[2:]), peak_mib=peaks,
-                      graphs=graphs, recompiles=recompiles, first_loss=losses[0], last_loss=losses[-1])
+    run = train.train_loop(model, optimizer, scheduler, batches, range(1, t["steps"] + 1), cfg, device,
+                           rank=launch.rank, log=lambda *a: None, forward=forward, t_start=T_START)
+    peaks = report.gather_from_ranks(report.peak_memory_mib(device))
+    graphs, recompiles = report.dynamo_compile_counts()
+    if launch.rank == 0:
+        result = dict(variant=variant, time_to_first_step=run.time_to_first_step,
+                      tokens_per_s=report.tokens_per_step(cfg) / statistics.median(run.step_times[2:]),
+                      peak_mib=peaks, graphs=graphs, recompiles=recompiles,
+                      first_loss=run.losses[0], last_loss=run.losses[-1])
         print(RESULT_TAG + json.dumps(result), flush=True)
-    if world_size > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

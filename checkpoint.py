@@ -27,7 +27,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
+
+from model import hf_config
 
 MARKER = "complete.json"
 STEP_DIR = re.compile(r"step-(\d+)")
@@ -200,17 +202,11 @@ def save_hf(folder: Path, step: int, model, model_cfg: dict, log) -> None:
     if is_rank0():
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        config = hf_config(model_cfg)
-        config.architectures = [LlamaForCausalLM.__name__]
-        config.save_pretrained(tmp)
+        hf_config(model_cfg).save_pretrained(tmp)
         save_file({k: v.contiguous() for k, v in weights.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
     log(f"checkpoint: wrote the HF weights of step {step} to {path} in {time.perf_counter() - start:.1f} s")
-
-
-def hf_config(model_cfg: dict) -> LlamaConfig:
-    return LlamaConfig(**model_cfg, tie_word_embeddings=False)
 
 
 def hf_folder_mismatch(path: Path, model_cfg: dict) -> str | None:

@@ -13,8 +13,8 @@ import torch
 from torch._dynamo import list_backends
 from transformers import LlamaForCausalLM
 
-from checkpoint import MARKER, hf_config, hf_folder_mismatch, is_complete
-from model import DECODER_LAYERS
+from checkpoint import MARKER, hf_folder_mismatch, is_complete
+from model import DECODER_LAYERS, hf_config
 
 USAGE = """usage: train.py [--config PATH] [--section.key VALUE ...]
 
@@ -24,50 +24,21 @@ Every key of the config can be overridden in torchtitan's style, e.g.
 A value is read as a TOML literal (2, -1, 8e-4, true, "text") or else as plain text, so paths
 need no quotes. Overrides go through the same checks as the file."""
 
-SCHEMA = {
-    "model": {
-        "hidden_size": int,
-        "num_hidden_layers": int,
-        "num_attention_heads": int,
-        "num_key_value_heads": int,
-        "intermediate_size": int,
-        "vocab_size": int,
-        "rms_norm_eps": float,
-        "max_position_embeddings": int,
-        "attn_implementation": str,
-        "rope_parameters": {  # transformers' "llama3" RoPE: torchtitan's RoPEScalingArgs
-            "rope_type": str,
-            "rope_theta": float,
-            "factor": float,
-            "low_freq_factor": float,
-            "high_freq_factor": float,
-            "original_max_position_embeddings": int,
-        },
-    },
-    "training": {
-        "steps": int,
-        "local_batch_size": int,
-        "seq_len": int,
-        "lr": float,
-        "warmup_steps": int,
-        "max_norm": float,
-        "seed": int,
-        "mixed_precision_param": str,
-        "mixed_precision_reduce": str,
-    },
-    "parallelism": {"dp_shard": int, "tp": int, "decoder_layer": str, "attention_gather": str},
-    "activation_checkpoint": {"mode": str, "selective_ac_option": str},
-    "compile": {"enable": bool, "backend": str, "fail_on_recompile": bool},
-    "data": {"max_bytes": int, "eval_batches": int},
-    "checkpoint": {  # torchtitan's names and meanings
-        "enable": bool,
-        "folder": str,
-        "interval": int,
-        "keep_latest_k": int,
-        "initial_load_path": str,
-        "initial_load_in_hf": bool,
-        "last_save_in_hf": bool,
-    },
+SCHEMA = {  # every key and its type, in config.toml's order
+    "model": dict(hidden_size=int, num_hidden_layers=int, num_attention_heads=int, num_key_value_heads=int,
+                  intermediate_size=int, vocab_size=int, rms_norm_eps=float, max_position_embeddings=int,
+                  attn_implementation=str,
+                  # transformers' "llama3" RoPE: rope_theta and torchtitan's RoPEScalingArgs
+                  rope_parameters=dict(rope_type=str, rope_theta=float, factor=float, low_freq_factor=float,
+                                       high_freq_factor=float, original_max_position_embeddings=int)),
+    "training": dict(steps=int, local_batch_size=int, seq_len=int, lr=float, warmup_steps=int, max_norm=float,
+                     seed=int, mixed_precision_param=str, mixed_precision_reduce=str),
+    "parallelism": dict(dp_shard=int, tp=int, decoder_layer=str, attention_gather=str),
+    "activation_checkpoint": dict(mode=str, selective_ac_option=str),
+    "compile": dict(enable=bool, backend=str, fail_on_recompile=bool),
+    "data": dict(max_bytes=int, eval_batches=int),
+    "checkpoint": dict(enable=bool, folder=str, interval=int, keep_latest_k=int,  # torchtitan's names
+                       initial_load_path=str, initial_load_in_hf=bool, last_save_in_hf=bool),
 }
 
 ATTENTION_GATHERS = ("pre_hook", "norm_output")  # parallelize._attention_input_plan
@@ -81,6 +52,11 @@ class ConfigError(ValueError):
 def require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def require_positive(table: dict, section: str, *keys: str) -> None:
+    for key in keys:
+        require(table[key] > 0, f"{section}.{key} = {table[key]} must be positive")
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, dict[str, object]]:
@@ -142,9 +118,15 @@ def load_config(path: str, world_size: int, overrides: dict[str, object] | None 
 
 def validate(cfg: dict, world_size: int) -> None:
     """Raise ConfigError naming the first field that breaks a rule; resolve `parallelism.tp`
-    and `parallelism.dp_shard` when one of them is -1."""
+    and `parallelism.dp_shard` when one of them is -1. No side effects on disk."""
     check_table(cfg, SCHEMA)
-    check_values(cfg, world_size)
+    check_model(cfg["model"])
+    check_training(cfg["training"], cfg["model"])
+    check_parallelism(cfg, world_size)
+    check_activation_checkpoint(cfg["activation_checkpoint"])
+    check_compile(cfg["compile"])
+    check_data(cfg["data"])
+    check_checkpoint(cfg["checkpoint"], cfg["model"])
 
 
 def check_table(values: dict, fields: dict, prefix: str = "") -> None:
@@ -171,26 +153,12 @@ def check_table(values: dict, fields: dict, prefix: str = "") -> None:
         require(typ is not float or (math.isfinite(value) and value > 0), f"{name} = {value} must be finite and > 0")
 
 
-def check_values(cfg: dict, world_size: int) -> None:
-    m, t, p = cfg["model"], cfg["training"], cfg["parallelism"]
-    ac, data = cfg["activation_checkpoint"], cfg["data"]
-
-    for key in ("steps", "local_batch_size", "seq_len"):
-        require(t[key] > 0, f"training.{key} = {t[key]} must be positive")
-    require(t["warmup_steps"] >= 0, f"training.warmup_steps = {t['warmup_steps']} must be >= 0")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "max_position_embeddings"):
-        require(m[key] > 0, f"model.{key} = {m[key]} must be positive")
-    require(m["hidden_size"] % m["num_attention_heads"] == 0,
-            f"model.hidden_size = {m['hidden_size']} must be divisible by "
-            f"model.num_attention_heads = {m['num_attention_heads']}")
-    require(m["num_attention_heads"] % m["num_key_value_heads"] == 0,
-            f"model.num_attention_heads = {m['num_attention_heads']} must be divisible by "
-            f"model.num_key_value_heads = {m['num_key_value_heads']}")
+def check_model(m: dict) -> None:
+    require_positive(m, "model", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "max_position_embeddings")
+    for a, b in (("hidden_size", "num_attention_heads"), ("num_attention_heads", "num_key_value_heads")):
+        require(m[a] % m[b] == 0, f"model.{a} = {m[a]} must be divisible by model.{b} = {m[b]}")
     require(m["vocab_size"] >= 256, f"model.vocab_size = {m['vocab_size']} must be >= 256 (byte tokens)")
-    require(t["seq_len"] <= m["max_position_embeddings"],
-            f"training.seq_len = {t['seq_len']} must be <= model.max_position_embeddings = "
-            f"{m['max_position_embeddings']}")
     rope = m["rope_parameters"]
     require(rope["rope_type"] == "llama3", f"model.rope_parameters.rope_type = {rope['rope_type']!r} must be 'llama3' "
             "(factor = 1.0 turns the scaling off)")
@@ -202,41 +170,57 @@ def check_values(cfg: dict, world_size: int) -> None:
             f"model.attn_implementation = {m['attn_implementation']!r} must be 'sdpa' "
             "(the sequence-parallel forward relies on SDPA's is_causal with no mask)")
 
-    dp_shard, tp = resolve_mesh(p["dp_shard"], p["tp"], world_size)
+
+def check_training(t: dict, m: dict) -> None:
+    require_positive(t, "training", "steps", "local_batch_size", "seq_len")
+    require(t["warmup_steps"] >= 0, f"training.warmup_steps = {t['warmup_steps']} must be >= 0")
+    require(t["seq_len"] <= m["max_position_embeddings"],
+            f"training.seq_len = {t['seq_len']} must be <= model.max_position_embeddings = "
+            f"{m['max_position_embeddings']}")
+    for key in ("mixed_precision_param", "mixed_precision_reduce"):
+        require(t[key] in DTYPES, f"training.{key} = {t[key]!r} must be one of {list(DTYPES)}")
+
+
+def check_parallelism(cfg: dict, world_size: int) -> None:
+    """The mesh (resolving a -1 degree in place), what TP divides, and what needs FSDP."""
+    p, t = cfg["parallelism"], cfg["training"]
+    p["dp_shard"], p["tp"] = dp_shard, tp = resolve_mesh(p["dp_shard"], p["tp"], world_size)
     for section, key in (("model", "num_attention_heads"), ("model", "num_key_value_heads"),
                          ("model", "intermediate_size"), ("model", "vocab_size"), ("training", "seq_len")):
         value = cfg[section][key]
         require(value % tp == 0, f"{section}.{key} = {value} must be divisible by parallelism.tp = {tp}")
-    p["dp_shard"], p["tp"] = dp_shard, tp
     require(p["decoder_layer"] in DECODER_LAYERS,
             f"parallelism.decoder_layer = {p['decoder_layer']!r} must be one of {list(DECODER_LAYERS)}")
     require(p["attention_gather"] in ATTENTION_GATHERS,
             f"parallelism.attention_gather = {p['attention_gather']!r} must be one of {list(ATTENTION_GATHERS)}")
-
     for key in ("mixed_precision_param", "mixed_precision_reduce"):
-        require(t[key] in DTYPES, f"training.{key} = {t[key]!r} must be one of {list(DTYPES)}")
         # torchtitan ignores these without FSDP; a setting that would do nothing is an error here.
         require(t[key] == "float32" or dp_shard > 1,
-                f"training.{key} = {t[key]!r} needs parallelism.dp_shard > 1: "
-                "mixed precision is applied by FSDP2")
+                f"training.{key} = {t[key]!r} needs parallelism.dp_shard > 1: mixed precision is applied by FSDP2")
 
+
+def check_activation_checkpoint(ac: dict) -> None:
     require(ac["mode"] in ("full", "selective", "none"),
             f"activation_checkpoint.mode = {ac['mode']!r} must be 'full', 'selective' or 'none'")
     option = ac["selective_ac_option"]
     require(option == "op" or (option.isdigit() and int(option) > 0),
             f"activation_checkpoint.selective_ac_option = {option!r} must be 'op' or a positive integer")
 
-    backend = cfg["compile"]["backend"]
+
+def check_compile(comp: dict) -> None:
+    backend = comp["backend"]
     require(backend in list_backends(exclude_tags=()),
             f"compile.backend = {backend!r} is not a torch.compile backend ({', '.join(list_backends())}, ...)")
+
+
+def check_data(data: dict) -> None:
     require(data["max_bytes"] >= 1_000_000, f"data.max_bytes = {data['max_bytes']} must be >= 1000000")
     require(data["eval_batches"] >= 0, f"data.eval_batches = {data['eval_batches']} must be >= 0")
-    check_checkpoint(cfg["checkpoint"], m)
 
 
 def check_checkpoint(c: dict, model_cfg: dict) -> None:
-    """[checkpoint]: values, the folder, and whether initial_load_path fits [model], all before
-    any process starts."""
+    """[checkpoint]'s values, and whether initial_load_path fits [model]. The folder is made by
+    prepare_checkpoint_folder, which only train.py calls."""
     require(c["interval"] > 0, f"checkpoint.interval = {c['interval']} must be positive")
     require(c["keep_latest_k"] >= 0, f"checkpoint.keep_latest_k = {c['keep_latest_k']} must be >= 0 (0 keeps all)")
     for key in ("initial_load_path", "initial_load_in_hf", "last_save_in_hf"):
@@ -249,19 +233,21 @@ def check_checkpoint(c: dict, model_cfg: dict) -> None:
     require(not folder.exists() or folder.is_dir(), f"checkpoint.folder = {c['folder']!r} is a file, not a folder")
     if c["initial_load_path"]:
         check_initial_load(c, model_cfg)
-    check_writable(folder, f"checkpoint.folder = {c['folder']!r}")  # last: it creates the folder
 
 
-def check_writable(folder: Path, name: str) -> None:
+def prepare_checkpoint_folder(c: dict) -> None:
     """Create the folder and a file in it now, rather than fail at the first save, after the
     training up to it."""
+    if not c["enable"]:
+        return
+    folder = Path(c["folder"])
     probe = folder / f".write-probe-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"{name} cannot be created or written: {e.strerror or e}") from None
+        raise ConfigError(f"checkpoint.folder = {c['folder']!r} cannot be created or written: {e.strerror or e}") from None
 
 
 def check_initial_load(c: dict, model_cfg: dict) -> None:

@@ -3,7 +3,8 @@ builders, torchrun launches, and the `recompile_proof` marker.
 
 Multi-rank cases run gloo ranks on CPU (torch.multiprocessing.spawn): 2 for TP, 4 for
 dp_shard 2 x tp 2, through the real builders: train.build_mesh, train.build_training
-(model.py + parallelize.py) and train.train_step. Compile counts are read from Dynamo itself.
+(model.py + parallelize.py) and train.train_step. Compile counts are read from Dynamo itself
+(report.dynamo_compile_counts).
 """
 
 import faulthandler
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import report
 import train
 from config import validate
 from parallelize import parallelize
@@ -55,7 +57,7 @@ def torch_version() -> tuple[int, int]:
     return tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
 
-# Measured with this test on CPU, 2 ranks (README.md, "Which torch versions are affected"):
+# Measured with these tests on CPU, 2 ranks (RESULTS.md, "Which torch versions have the bug"):
 # 2.10 recompiles per block; 2.11 carries the Dynamo fix (pytorch/pytorch#172519).
 HOOK_GUARD_BUG = torch_version() < (2, 11)
 
@@ -138,7 +140,7 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
         result["error"] = f"{type(e).__name__}: {e}"
     setattr(dist, rs_name, reduce_scatter)
     result["forward_dtypes"], result["reduce_scatter_dtypes"] = sorted(forward_dtypes), sorted(reduce_dtypes)
-    result["graphs"], result["recompiles"] = train.dynamo_compile_counts()
+    result["graphs"], result["recompiles"] = report.dynamo_compile_counts()
     result["recompile_reasons"] = [r for reasons in guard_failures.values() for r in reasons]
     return result
 

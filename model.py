@@ -1,14 +1,9 @@
 """The Hugging Face Llama, with a decoder layer that Tensor Parallel can hook without kwargs.
 
-HF's `LlamaDecoderLayer.forward` calls `self.self_attn(hidden_states=hidden_states, ...)` by
-keyword. A TP plan for that call needs `PrepareModuleInput(input_kwarg_layouts=...)`, which
-registers a `with_kwargs=True` forward pre-hook on every attention module. On torch <= 2.10
-Dynamo guards on that hook's id (`___dict_contains(<id>, ..._forward_pre_hooks_with_kwargs)`),
-every block has another id, and each block recompiles until `recompile_limit`
-(pytorch/pytorch#170110, fixed by #172519 in 2.11).
-
-`PositionalLlamaDecoderLayer` is HF's forward with one change: `hidden_states` is passed
-positionally, so a positional `PrepareModuleInput` fits and no kwargs hook exists at all.
+HF's `LlamaDecoderLayer` calls `self.self_attn(hidden_states=...)` by keyword, so a TP plan
+needs a `with_kwargs=True` pre-hook on attention, which torch <= 2.10 Dynamo guards on by id:
+one recompile per block (pytorch/pytorch#170110, fixed by #172519 in 2.11).
+`PositionalLlamaDecoderLayer` passes `hidden_states` positionally instead (README, "The fix to copy").
 """
 
 import torch
@@ -20,9 +15,8 @@ from transformers.utils.deprecation import deprecate_kwarg
 class PositionalLlamaDecoderLayer(LlamaDecoderLayer):
     """transformers 5.24.0 `LlamaDecoderLayer.forward`, with `self_attn(hidden_states, ...)`.
 
-    Subclassing keeps HF's `GradientCheckpointingLayer.__call__` and every weight name;
-    only the call into attention differs. test_recompile.py checks that this copy still
-    matches the installed transformers.
+    Subclassing keeps HF's `GradientCheckpointingLayer.__call__` and every weight name.
+    test_recompile.py checks that this copy still matches the installed transformers.
     """
 
     @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
@@ -61,27 +55,23 @@ class PositionalLlamaDecoderLayer(LlamaDecoderLayer):
 DECODER_LAYERS = {"positional": PositionalLlamaDecoderLayer, "stock": LlamaDecoderLayer}
 
 
+def hf_config(model_cfg: dict) -> LlamaConfig:
+    """[model] as transformers' `LlamaConfig`: for the model, its parameter count and the HF export."""
+    return LlamaConfig(**model_cfg, tie_word_embeddings=False, architectures=[LlamaForCausalLM.__name__])
+
+
 def build_model(model_cfg: dict, decoder_layer: str = "positional") -> LlamaForCausalLM:
     """A randomly initialised `LlamaForCausalLM` whose blocks are `DECODER_LAYERS[decoder_layer]`.
-
-    The positional layer adds no state to HF's, so switching each block's class keeps the
-    weights HF initialised: the same seed gives the same model with either layer.
-    """
-    config = LlamaConfig(**model_cfg, use_cache=False, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
+    The positional layer adds no state, so one seed gives the same weights with either layer."""
+    model = LlamaForCausalLM(hf_config(model_cfg))
     for block in model.model.layers:
         block.__class__ = DECODER_LAYERS[decoder_layer]
     return model
 
 
 def forward_logits(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits for a batch of token ids of shape (batch, seq_len).
-
-    Under sequence parallel each block sees 1/TP of the sequence, and HF would derive
-    `position_ids` (and so the rotary embeddings) from that local length. The full-sequence
-    positions are passed here instead. No attention mask is passed: SDPA then runs with
-    `is_causal=True` over the whole, all-gathered sequence.
-    """
-    seq_len = input_ids.shape[1]
-    position_ids = torch.arange(seq_len, device=input_ids.device).unsqueeze(0)
+    """Logits for (batch, seq_len) token ids. Under sequence parallel each block sees 1/TP of the
+    sequence, and HF would derive `position_ids` from that local length: pass the full ones. No
+    mask: SDPA runs with `is_causal=True` over the all-gathered sequence."""
+    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
     return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits

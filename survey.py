@@ -1,6 +1,6 @@
 """How transformers' decoder layers call attention: `hidden_states` by keyword or positionally.
 
-    python survey.py        # the table in README.md, for the installed transformers
+    python survey.py        # the table in RESULTS.md, for the installed transformers
 
 A keyword call needs TP's `PrepareModuleInput(input_kwarg_layouts=...)`, whose with_kwargs=True
 pre-hook recompiles every block on torch <= 2.10 (pytorch/pytorch#170110). The norm-output plan

@@ -181,7 +181,7 @@ def test_every_bad_input_is_one_line_before_any_work(tmp_path, capsys, monkeypat
         monkeypatch.delenv(name, raising=False)
     for argv, message in _probes(tmp_path):
         with pytest.raises(SystemExit) as exit:
-            train.config_or_exit(argv)
+            train.config_or_exit(argv, train.launch_env())
             pytest.fail(f"{argv} passed every check")
         out, err = capsys.readouterr()
         lines = err.splitlines()

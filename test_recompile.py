@@ -173,12 +173,12 @@ def test_kwargs_plan_on_other_hf_architectures_matches_installed_torch(tmp_root,
     assert_stock_layer_behaviour(r)
 
 
-def test_readme_survey_table_matches_installed_transformers():
+def test_survey_table_in_results_matches_installed_transformers():
     survey = survey_attention_calls()
     assert {"llama", "qwen2", "qwen3", "mistral"} <= set(survey["keyword"]), "these call self_attn by keyword"
     assert "bart" in survey["positional"]
     table = markdown_table(survey)
-    assert table in (HERE / "README.md").read_text(), f"README's survey table is stale; `python survey.py`:\n{table}"
+    assert table in (HERE / "RESULTS.md").read_text(), f"RESULTS.md's survey table is stale; `python survey.py`:\n{table}"
 
 
 # FSDP2 x TP: dp_shard 2 x tp 2 on 4 ranks -----------------------------------

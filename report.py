@@ -1,0 +1,124 @@
+"""What a run reports: its set-up line, TP groups by node, and the summary (Dynamo's graph,
+recompile and cache counts, speed, memory, losses). Every rank gathers; rank 0's `log` prints."""
+
+import resource
+import statistics
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def mesh_name(cfg: dict) -> str:
+    return f"dp_shard {cfg['parallelism']['dp_shard']} × tp {cfg['parallelism']['tp']}"
+
+
+def tokens_per_step(cfg: dict) -> int:
+    """The global batch's tokens: every data-parallel rank's windows."""
+    t = cfg["training"]
+    return t["local_batch_size"] * cfg["parallelism"]["dp_shard"] * t["seq_len"]
+
+
+def run_line(cfg: dict, world_size: int, device: torch.device) -> str:
+    p, comp, t = cfg["parallelism"], cfg["compile"], cfg["training"]
+    return (f"torch {torch.__version__} | {world_size} rank(s) on {device.type} | mesh {mesh_name(cfg)} | "
+            f"layer={p['decoder_layer']} | gather={p['attention_gather']} | AC={cfg['activation_checkpoint']['mode']} | "
+            f"compile={'per-block ' + comp['backend'] if comp['enable'] else 'off'} | "
+            f"params {t['mixed_precision_param']}, reduce {t['mixed_precision_reduce']}")
+
+
+def step_line(step: int, loss: float, grad_norm: float, tokens_per_s: float, elapsed: float) -> str:
+    return f"step {step:3d} | loss {loss:.6f} | grad norm {grad_norm:.6f} | {tokens_per_s:7.0f} tokens/s | {elapsed:6.1f} s"
+
+
+def log_tp_groups(parallel_dims, node: int, log) -> None:
+    """Each TP group with the nodes (torchrun's GROUP_RANK) of its ranks; a group across nodes
+    would run TP over the slow links."""
+    mine = (tuple(parallel_dims.get_mesh("tp").mesh.flatten().tolist()), node)
+    groups = {}
+    for group, where in gather_from_ranks(mine):
+        groups.setdefault(group, set()).add(where)
+    log("TP groups: " + " | ".join(f"{list(g)} on node {', '.join(map(str, sorted(n)))}"
+                                   for g, n in sorted(groups.items())))
+    if any(len(nodes) > 1 for nodes in groups.values()):
+        log("warning: a TP group spans nodes; set parallelism.tp to the GPUs per node")
+
+
+def gather_from_ranks(value) -> list:
+    """[rank 0's value, rank 1's, ...]."""
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This rank's peak: CUDA's max allocated, or on CPU the process's max RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux: KiB
+
+
+def params_and_optimizer_mib(model, optimizer) -> tuple[float, float]:
+    """(this rank's share, the unsharded total) of parameters + optimizer state, in MiB: what TP
+    and FSDP shard, which RSS hides. A DTensor's numel() is global, its local tensor the shard."""
+    state = [v for per_param in optimizer.state.values() for v in per_param.values() if torch.is_tensor(v)]
+    tensors = [*model.parameters(), *state]
+    local = sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
+    full = sum(t.numel() * t.element_size() for t in tensors)
+    return local / 2**20, full / 2**20
+
+
+def dynamo_compile_counts() -> tuple[int, int]:
+    """(graphs, recompiles) as Dynamo counted them; only blocks are compiled. Every compile of a
+    frame after its first (the "1/2" in Dynamo's compile ids) is a recompile."""
+    from torch._dynamo.convert_frame import FRAME_COMPILE_COUNTER
+    from torch._dynamo.utils import counters
+
+    recompiles = sum(n - 1 for n in FRAME_COMPILE_COUNTER.values() if n > 1)
+    return counters["stats"]["unique_graphs"], recompiles
+
+
+def compile_cache_counts() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(hits, misses, bypasses) of AOTAutograd's and of the FX-graph cache, Dynamo's counters."""
+    from torch._dynamo.utils import counters
+
+    return tuple(tuple(counters[group][f"{name}_cache_{event}"] for event in ("hit", "miss", "bypass"))
+                 for group, name in (("aot_autograd", "autograd"), ("inductor", "fxgraph")))
+
+
+def describe_compile_caches(per_rank: list) -> str:
+    """One phrase for all ranks when they agree, else one per rank."""
+    def text(counts):
+        return "; ".join(f"{cache} {hit} hit, {miss} missed" + (f", {bypass} bypassed" if bypass else "")
+                         for cache, (hit, miss, bypass) in zip(("AOTAutograd", "FX graph"), counts))
+    if len(set(per_rank)) == 1:
+        return text(per_rank[0]) + (" on every rank" if len(per_rank) > 1 else "")
+    return " | ".join(f"rank {r}: {text(c)}" for r, c in enumerate(per_rank))
+
+
+def log_summary(cfg: dict, run, held_out_loss: float | None, model, optimizer, device: torch.device, log) -> None:
+    """The summary block (README, "What a run prints"). `run` is train.train_loop's record."""
+    steady = run.step_times[2:] or run.step_times[1:] or run.step_times
+    first, last = run.steps[0], run.steps[-1]
+    peaks = gather_from_ranks(peak_memory_mib(device))
+    local_state, full_state = params_and_optimizer_mib(model, optimizer)
+    states = gather_from_ranks(local_state)
+    caches = gather_from_ranks(compile_cache_counts())
+    graphs, recompiles = dynamo_compile_counts()
+    notes = ([f"held-out {held_out_loss:.4f}"] if held_out_loss is not None else []) + (
+        [f"steps {first}-{last}"] if first > 1 else [])
+    log("summary:")
+    log(f"  mesh                 {mesh_name(cfg)}")
+    log(f"  time to first step   {run.time_to_first_step:.1f} s")
+    log(f"  compile caches       {describe_compile_caches(caches)}")
+    log(f"  steady tokens/s      {tokens_per_step(cfg) / statistics.median(steady):.0f} global "
+        f"(median of steps {last - len(steady) + 1}-{last})")
+    log(f"  peak memory per rank {', '.join(f'{p:.0f}' for p in peaks)} MiB "
+        f"({'max allocated' if device.type == 'cuda' else 'max RSS'})")
+    log(f"  params + optimizer   {', '.join(f'{s:.1f}' for s in states)} MiB per rank, "
+        f"{full_state:.1f} MiB unsharded ({max(states) / full_state:.0%} on the largest rank)")
+    log(f"  compiled graphs      {graphs} for {cfg['model']['num_hidden_layers']} blocks")
+    log(f"  recompiles           {recompiles}")
+    log(f"  loss                 {run.losses[0]:.4f} -> {run.losses[-1]:.4f}" + (f" ({', '.join(notes)})" if notes else ""))
