@@ -4,10 +4,8 @@
     folder/step-N/complete.json   written last, once every rank's shards are on disk
     folder/step-N-hf/             last_save_in_hf: config.json + model.safetensors
 
-torch.distributed.checkpoint (DCP) writes each rank's shards and reshards on load, so a
-checkpoint written on dp_shard 2 x tp 2 loads on tp 2 or one process. `get_state_dict` /
-`set_state_dict` name everything by the plain HF names: the compile (`_orig_mod`) and AC
-(`_checkpoint_wrapped_module`) wrappers are stripped.
+DCP reshards on load (dp_shard 2 x tp 2 loads on tp 2 or one process); `get_state_dict` uses
+the plain HF names, without the compile and AC wrappers' prefixes.
 """
 
 import json
@@ -20,13 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from transformers import LlamaForCausalLM
 
 from model import hf_config
@@ -41,7 +34,6 @@ def is_rank0() -> bool:
 
 # -----------------------------------------------------------------------------
 # which checkpoints are complete
-
 
 def step_dirs(folder: Path) -> list[tuple[int, Path]]:
     """Every step-N folder, oldest first."""
@@ -80,7 +72,6 @@ def write_marker(path: Path, step: int) -> None:
 # -----------------------------------------------------------------------------
 # save and resume
 
-
 def training_state(model, optimizer, scheduler, generator: torch.Generator, step: int) -> dict:
     """Everything a resume needs; also the template that DCP loads into."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -97,8 +88,7 @@ def save(folder: Path, step: int, keep_latest_k: int, model, optimizer, schedule
         shutil.rmtree(path, ignore_errors=True)  # an earlier, unfinished save of this step
     if dist.is_initialized():
         dist.barrier()
-    # dcp.save returns once the coordinator (rank 0) has written .metadata, which it does
-    # after every rank reported its shards written.
+    # dcp.save returns once rank 0 wrote .metadata, which it does after every rank's shards are written.
     dcp.save(training_state(model, optimizer, scheduler, generator, step), checkpoint_id=path)
     removed = []
     if is_rank0():
@@ -150,8 +140,7 @@ def resume(ckpt: dict, model, optimizer, scheduler, generator, log) -> int:
 
 def latest_complete(folder: Path, log) -> tuple[int, Path] | None:
     """(step, path) of the newest complete checkpoint, logging each newer one skipped."""
-    found = step_dirs(folder)
-    for step, path in reversed(found):
+    for step, path in reversed(step_dirs(folder)):
         state = checkpoint_state(path)
         if state == "complete":
             return step, path
@@ -161,8 +150,7 @@ def latest_complete(folder: Path, log) -> tuple[int, Path] | None:
 
 
 def decided_on_rank0(decide):
-    """Rank 0's answer on every rank. Each rank listing the folder itself could pick another
-    checkpoint on a shared filesystem whose metadata some nodes see late."""
+    """Rank 0's answer on every rank: on a shared filesystem some nodes see new files late."""
     answer = [decide() if is_rank0() else None]
     if dist.is_initialized():
         dist.broadcast_object_list(answer, src=0)
@@ -179,10 +167,8 @@ def load_dcp_weights(model, path: Path) -> None:
 # -----------------------------------------------------------------------------
 # Hugging Face weights in and out
 
-
 def load_hf_weights(model, path: Path) -> None:
-    """Every rank reads the full safetensors weights; set_model_state_dict keeps each rank's
-    TP / FSDP shard of them."""
+    """Every rank reads the full weights; set_model_state_dict keeps its TP / FSDP shard of them."""
     from safetensors.torch import load_file
 
     full = {}
@@ -239,7 +225,5 @@ def hf_shapes_mismatch(path: Path, model_cfg: dict) -> str | None:
     missing, unexpected = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
     if missing or unexpected:
         return f"tensors missing ({', '.join(missing[:3]) or 'none'}) or unexpected ({', '.join(unexpected[:3]) or 'none'})"
-    for key in want:
-        if want[key] != have[key]:
-            return f"{key} has shape {have[key]} there, {want[key]} for [model]"
-    return None
+    wrong = next((key for key in want if want[key] != have[key]), None)
+    return f"{wrong} has shape {have[wrong]} there, {want[wrong]} for [model]" if wrong else None

@@ -1,8 +1,5 @@
-"""config.toml and `--section.key value` overrides: every key, its type, and the checks on it.
-
-Everything is checked before any process group starts, so a bad value stops the run with one
-line naming the field, on every launch (`python train.py` or `torchrun`).
-"""
+"""config.toml and `--section.key value` overrides: every key, its type, and the checks on it,
+all made before any process group starts, so a bad value stops the run with one line."""
 
 import math
 import os
@@ -18,11 +15,9 @@ from model import DECODER_LAYERS, hf_config
 
 USAGE = """usage: train.py [--config PATH] [--section.key VALUE ...]
 
-Every key of the config can be overridden in torchtitan's style, e.g.
-    torchrun --nproc_per_node=4 train.py --parallelism.dp_shard 2 --training.steps 20
-    python train.py --model.rope_parameters.factor 1.0
-A value is read as a TOML literal (2, -1, 8e-4, true, "text") or else as plain text, so paths
-need no quotes. Overrides go through the same checks as the file."""
+Any config key can be overridden, torchtitan-style: --parallelism.dp_shard 2 --training.steps 20.
+A value is read as a TOML literal (2, -1, 8e-4, true, "text"), else as plain text (paths need no
+quotes), and goes through the same checks as the file."""
 
 SCHEMA = {  # every key and its type, in config.toml's order
     "model": dict(hidden_size=int, num_hidden_layers=int, num_attention_heads=int, num_key_value_heads=int,
@@ -64,14 +59,11 @@ def parse_args(argv: list[str]) -> tuple[str | None, dict[str, object]]:
     path, overrides, i = None, {}, 0
     while i < len(argv):
         arg = argv[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}: overrides are written --section.key value")
+        require(arg.startswith("--"), f"unexpected argument {arg!r}: overrides are written --section.key value")
         name, eq, text = arg[2:].partition("=")
-        if name != "config" and "." not in name:
-            raise ConfigError(f"unknown option --{name}: write --config PATH or --section.key value")
+        require(name == "config" or "." in name, f"unknown option --{name}: write --config PATH or --section.key value")
         if not eq:
-            if i + 1 == len(argv):
-                raise ConfigError(f"--{name} needs a value")
+            require(i + 1 < len(argv), f"--{name} needs a value")
             text, i = argv[i + 1], i + 1
         i += 1
         if name == "config":
@@ -109,16 +101,15 @@ def load_config(path: str, world_size: int, overrides: dict[str, object] | None 
         table = cfg
         for name in tables:
             table = table.setdefault(name, {})
-            if not isinstance(table, dict):
-                raise ConfigError(f"--{dotted}: {name} is not a table")
+            require(isinstance(table, dict), f"--{dotted}: {name} is not a table")
         table[key] = value  # an unknown name fails validation like the file's
     validate(cfg, world_size)
     return cfg
 
 
 def validate(cfg: dict, world_size: int) -> None:
-    """Raise ConfigError naming the first field that breaks a rule; resolve `parallelism.tp`
-    and `parallelism.dp_shard` when one of them is -1. No side effects on disk."""
+    """Raise ConfigError naming the first field that breaks a rule, section by section, in
+    SCHEMA's order; resolve a -1 parallelism degree. Nothing is written."""
     check_table(cfg, SCHEMA)
     check_model(cfg["model"])
     check_training(cfg["training"], cfg["model"])
@@ -146,10 +137,9 @@ def check_table(values: dict, fields: dict, prefix: str = "") -> None:
             continue
         if typ in (float, str) and isinstance(value, int) and not isinstance(value, bool):
             values[key] = value = typ(value)  # 8 as 8.0; selective_ac_option = 2 as "2"
-        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            raise ConfigError(f"{name} = {value!r} must be of type {typ.__name__}")
-        # Every float here (lr, max_norm, rms_norm_eps, the RoPE values) is a positive quantity;
-        # inf, nan, 0 or a negative one would train on NaN from the first step.
+        require(isinstance(value, typ) and not (typ is int and isinstance(value, bool)),
+                f"{name} = {value!r} must be of type {typ.__name__}")
+        # Every float here (lr, max_norm, rms_norm_eps, RoPE's) is positive; others train on NaN.
         require(typ is not float or (math.isfinite(value) and value > 0), f"{name} = {value} must be finite and > 0")
 
 
@@ -219,8 +209,7 @@ def check_data(data: dict) -> None:
 
 
 def check_checkpoint(c: dict, model_cfg: dict) -> None:
-    """[checkpoint]'s values, and whether initial_load_path fits [model]. The folder is made by
-    prepare_checkpoint_folder, which only train.py calls."""
+    """[checkpoint]'s values, and whether initial_load_path fits [model]; nothing is written."""
     require(c["interval"] > 0, f"checkpoint.interval = {c['interval']} must be positive")
     require(c["keep_latest_k"] >= 0, f"checkpoint.keep_latest_k = {c['keep_latest_k']} must be >= 0 (0 keeps all)")
     for key in ("initial_load_path", "initial_load_in_hf", "last_save_in_hf"):
@@ -236,8 +225,7 @@ def check_checkpoint(c: dict, model_cfg: dict) -> None:
 
 
 def prepare_checkpoint_folder(c: dict) -> None:
-    """Create the folder and a file in it now, rather than fail at the first save, after the
-    training up to it."""
+    """train.py's step after validate: create the folder and a file in it now, not at the first save."""
     if not c["enable"]:
         return
     folder = Path(c["folder"])
@@ -267,26 +255,21 @@ def resolve_mesh(dp_shard: int, tp: int, world_size: int) -> tuple[int, int]:
     """(dp_shard, tp) with a -1 replaced by the ranks the other degree leaves, as torchtitan's
     ParallelDims does; their product must be the world size."""
     for name, degree in (("dp_shard", dp_shard), ("tp", tp)):
-        if degree != -1 and degree < 1:
-            raise ConfigError(f"parallelism.{name} = {degree} must be -1 (the remaining ranks) or >= 1")
-    if dp_shard == -1 and tp == -1:
-        raise ConfigError("parallelism.dp_shard and parallelism.tp are both -1: at most one may take "
-                          "the remaining ranks")
+        require(degree == -1 or degree >= 1, f"parallelism.{name} = {degree} must be -1 (the remaining ranks) or >= 1")
+    require(not dp_shard == tp == -1,
+            "parallelism.dp_shard and parallelism.tp are both -1: at most one may take the remaining ranks")
     if -1 in (dp_shard, tp):
         name, fixed = ("tp", tp) if dp_shard == -1 else ("dp_shard", dp_shard)
-        if world_size % fixed:
-            raise ConfigError(f"world size {world_size} must be divisible by parallelism.{name} = {fixed}")
+        require(world_size % fixed == 0, f"world size {world_size} must be divisible by parallelism.{name} = {fixed}")
         dp_shard, tp = (world_size // tp, tp) if dp_shard == -1 else (dp_shard, world_size // dp_shard)
-    if dp_shard * tp != world_size:
-        raise ConfigError(f"parallelism.dp_shard = {dp_shard} × parallelism.tp = {tp} must equal "
-                          f"the world size {world_size}")
+    require(dp_shard * tp == world_size,
+            f"parallelism.dp_shard = {dp_shard} × parallelism.tp = {tp} must equal the world size {world_size}")
     return dp_shard, tp
 
 
 def check_resources(cfg: dict, local_world_size: int) -> None:
     """A GPU per process where there are GPUs, and memory for each process's share of the
-    parameters, gradients and AdamW's two moments (float32: 16 bytes per parameter). With the
-    activations on top, this stops the impossible, not the merely tight."""
+    parameters, gradients and AdamW's two moments (16 bytes per parameter): the impossible, not the tight."""
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
         require(local_world_size <= gpus, f"{local_world_size} processes on this node (torchrun --nproc_per_node) "

@@ -12,26 +12,19 @@ import torchtitan.distributed.parallel_dims
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
-from torchtitan.config.job_config import ActivationCheckpoint as ACConfig
-from torchtitan.config.job_config import Compile as CompileConfig
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
+from torchtitan.config.job_config import ActivationCheckpoint as ACConfig, Compile as CompileConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed.activation_checkpoint import apply_ac as titan_apply_ac
-from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
-from torchtitan.models.llama3.infra.parallelize import apply_compile as titan_apply_compile
+from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list, apply_compile as titan_apply_compile
 from transformers import LlamaForCausalLM
 
 
 def parallelize(model: LlamaForCausalLM, parallel_dims: ParallelDims | None, cfg: dict) -> None:
     """TP, AC, compile, FSDP: torchtitan's order. TP and FSDP only where their degree is > 1.
-    FSDP comes after compile, so that its kwargs pre-hooks sit outside the traced frames."""
+    FSDP after compile keeps its kwargs pre-hooks outside the traced frames; the other order
+    fails on torch 2.10.0 (`Unsupported: Attempted to call function marked as skipped`)."""
     tp_mesh = parallel_dims.get_optional_mesh("tp") if parallel_dims else None
     dp_mesh = parallel_dims.get_optional_mesh("fsdp") if parallel_dims else None
     p, ac, comp, t = cfg["parallelism"], cfg["activation_checkpoint"], cfg["compile"], cfg["training"]
@@ -50,9 +43,8 @@ def build_parallel_dims(dp_shard: int, tp: int, device_type: str) -> ParallelDim
     neighbouring ranks, one node's GPUs when tp = GPUs per node."""
     _set_titan_mesh_device_type(device_type)
     keep_device_mesh_hash_out_of_pickles()
-    parallel_dims = ParallelDims(
-        dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=dp_shard * tp
-    )
+    parallel_dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1, etp=1,
+                                 world_size=dp_shard * tp)
     parallel_dims.build_mesh()
     return parallel_dims
 
@@ -61,47 +53,37 @@ def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str, a
     """TP + sequence parallel: torchtitan's llama3 plan on HF names. Between blocks activations
     are Shard(1) (sequence); attention and MLP all-gather on entry and reduce-scatter on exit.
     Logits come out replicated, so the loss is a plain cross entropy."""
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "model.norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
+    parallelize_module(model, tp_mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
     materialize_embedding_output(model.model.embed_tokens)
 
     for block in model.model.layers:
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "input_layernorm": SequenceParallel(),
-                **_attention_input_plan(decoder_layer, attention_gather),
-                **_qk_norm_plan(block),
-                "self_attn.q_proj": ColwiseParallel(),
-                "self_attn.k_proj": ColwiseParallel(),
-                "self_attn.v_proj": ColwiseParallel(),
-                "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-                "post_attention_layernorm": SequenceParallel(),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "mlp.gate_proj": ColwiseParallel(),
-                "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-            },
-        )
+        parallelize_module(block, tp_mesh, {
+            "input_layernorm": SequenceParallel(),
+            **_attention_input_plan(decoder_layer, attention_gather),
+            **_qk_norm_plan(block),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
         if attention_gather == "norm_output":
             # A second call: a plan holds one style per module, and input_layernorm has two.
             parallelize_module(block.input_layernorm, tp_mesh, GATHER_AT_NORM_OUTPUT)
 
 
-# Recipe B: all-gather attention's input at input_layernorm's output, in a positional forward
-# hook. It stays a Replicate DTensor, so q, k and v's input gradients leave by one reduce-scatter
-# (README, "The fix to copy").
-GATHER_AT_NORM_OUTPUT = PrepareModuleOutput(
-    output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=False
-)
+# Recipe B: all-gather attention's input at input_layernorm's output in a positional forward hook,
+# kept a Replicate DTensor: q, k and v's input gradients leave by one reduce-scatter (README).
+GATHER_AT_NORM_OUTPUT = PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
+                                            use_local_output=False)
 
 
 def _attention_input_plan(decoder_layer: str, attention_gather: str) -> dict:
@@ -131,12 +113,8 @@ def _qk_norm_plan(block: nn.Module) -> dict:
 
 def apply_ac(model: LlamaForCausalLM, mode: str, selective_option: str, compile_enabled: bool) -> None:
     """torchtitan's `apply_ac`, which wraps each child of `model.model.layers`."""
-    titan_apply_ac(
-        model.model,
-        ACConfig(mode=mode, selective_ac_option=selective_option),
-        model_compile_enabled=compile_enabled,
-        op_sac_save_list=OP_SAC_SAVE_LIST,
-    )
+    titan_apply_ac(model.model, ACConfig(mode=mode, selective_ac_option=selective_option),
+                   model_compile_enabled=compile_enabled, op_sac_save_list=OP_SAC_SAVE_LIST)
 
 
 def apply_compile(model: LlamaForCausalLM, backend: str) -> None:

@@ -1,5 +1,4 @@
-"""What a run reports: its set-up line, TP groups by node, and the summary (Dynamo's graph,
-recompile and cache counts, speed, memory, losses). Every rank gathers; rank 0's `log` prints."""
+"""What a run reports: its set-up line, TP groups by node, the summary. Every rank gathers; rank 0 logs."""
 
 import resource
 import statistics
@@ -13,8 +12,7 @@ def mesh_name(cfg: dict) -> str:
     return f"dp_shard {cfg['parallelism']['dp_shard']} × tp {cfg['parallelism']['tp']}"
 
 
-def tokens_per_step(cfg: dict) -> int:
-    """The global batch's tokens: every data-parallel rank's windows."""
+def tokens_per_step(cfg: dict) -> int:  # the global batch: every data-parallel rank's windows
     t = cfg["training"]
     return t["local_batch_size"] * cfg["parallelism"]["dp_shard"] * t["seq_len"]
 
@@ -27,13 +25,8 @@ def run_line(cfg: dict, world_size: int, device: torch.device) -> str:
             f"params {t['mixed_precision_param']}, reduce {t['mixed_precision_reduce']}")
 
 
-def step_line(step: int, loss: float, grad_norm: float, tokens_per_s: float, elapsed: float) -> str:
-    return f"step {step:3d} | loss {loss:.6f} | grad norm {grad_norm:.6f} | {tokens_per_s:7.0f} tokens/s | {elapsed:6.1f} s"
-
-
 def log_tp_groups(parallel_dims, node: int, log) -> None:
-    """Each TP group with the nodes (torchrun's GROUP_RANK) of its ranks; a group across nodes
-    would run TP over the slow links."""
+    """Each TP group with its ranks' nodes; a group across nodes would run TP over slow links."""
     mine = (tuple(parallel_dims.get_mesh("tp").mesh.flatten().tolist()), node)
     groups = {}
     for group, where in gather_from_ranks(mine):

@@ -69,7 +69,6 @@ def main() -> None:
 # -----------------------------------------------------------------------------
 # launch: torchrun's environment, the config, the process group
 
-
 class Launch(NamedTuple):
     rank: int
     world_size: int
@@ -80,9 +79,9 @@ class Launch(NamedTuple):
 
 def launch_env() -> Launch:
     """torchrun's variables; without them, one process."""
-    get = lambda name, default: int(os.environ.get(name, default))  # noqa: E731
-    return Launch(get("RANK", 0), get("WORLD_SIZE", 1), get("LOCAL_RANK", 0), get("LOCAL_WORLD_SIZE", 1),
-                  get("GROUP_RANK", 0))
+    env = lambda name, default: int(os.environ.get(name, default))  # noqa: E731
+    return Launch(env("RANK", 0), env("WORLD_SIZE", 1), env("LOCAL_RANK", 0), env("LOCAL_WORLD_SIZE", 1),
+                  env("GROUP_RANK", 0))
 
 
 def config_or_exit(argv: list[str], launch: Launch) -> dict:
@@ -113,13 +112,12 @@ def exit_with(line: str, rank: int, code: int = 1) -> None:
 
 def init_distributed(launch: Launch) -> torch.device:
     """gloo + CPU, or nccl + this rank's GPU; no process group for one process."""
-    device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", launch.local_rank) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)
-    if launch.world_size > 1 and device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device)
-    elif launch.world_size > 1:
-        dist.init_process_group("gloo")
+    if launch.world_size > 1:
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     return device
 
 
@@ -136,7 +134,6 @@ def data_parallel_rank(dp_mesh) -> tuple[int, int]:
 
 # -----------------------------------------------------------------------------
 # data: bytes of the Python standard library's own source, on every machine, no download
-
 
 def load_stdlib_bytes(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(train, held_out) byte tensors. Files are read in sorted order; every 10th goes to
@@ -155,9 +152,8 @@ def load_stdlib_bytes(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def batches(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator,
             dp_rank: int = 0, dp_size: int = 1):
-    """Endless (inputs, targets) of random windows. Every rank draws the global batch's starts
-    from one seeded generator and keeps its dp rank's `batch_size`: the TP ranks of a group get
-    the same windows, and one process with batch_size x dp_size sees the global batch."""
+    """Endless (inputs, targets) of random windows. Every rank draws the global batch's starts from
+    one seeded generator and keeps its dp rank's share: one process with dp_size x batch_size sees it all."""
     while True:
         starts = torch.randint(len(data) - seq_len - 1, (batch_size * dp_size,), generator=generator)
         starts = starts[dp_rank * batch_size : (dp_rank + 1) * batch_size]
@@ -169,10 +165,8 @@ def batches(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.
 # -----------------------------------------------------------------------------
 # the model, its optimizer and one step
 
-
 def build_training(cfg: dict, device: torch.device, parallel_dims=None):
-    """The seeded model, parallelized over `parallel_dims` (None: one process), its optimizer
-    and its LR schedule."""
+    """The seeded model parallelized over `parallel_dims` (None: one process), optimizer, LR schedule."""
     torch.manual_seed(cfg["training"]["seed"])
     model = build_model(cfg["model"], cfg["parallelism"]["decoder_layer"]).to(device)
     parallelize(model, parallel_dims, cfg)
@@ -199,8 +193,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def global_mean(value: torch.Tensor, dp_mesh) -> float:
-    """A per-rank scalar averaged over the dp ranks (a TP group's ranks hold the same value).
-    Every dp rank has the same batch size, so this is the global-batch mean."""
+    """A per-rank scalar averaged over the dp ranks: with equal batches, the global-batch mean."""
     if dp_mesh is None:
         return value.item()
     value = value.detach().clone()
@@ -224,12 +217,11 @@ def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forwa
 # -----------------------------------------------------------------------------
 # the loop and the held-out loss
 
-
 @dataclasses.dataclass
 class Run:
     steps: range
-    losses: list[float] = dataclasses.field(default_factory=list)
-    step_times: list[float] = dataclasses.field(default_factory=list)
+    losses: list[float]
+    step_times: list[float]
     time_to_first_step: float = 0.0  # from the process's start: imports, data, build, compile
 
 
@@ -238,7 +230,7 @@ def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, devic
     """Train `steps`, timing each, logging each, saving on [checkpoint]'s interval. A non-finite
     loss or (after step 1, with compile.fail_on_recompile) a recompile stops the run in one line."""
     t, comp, ckpt = cfg["training"], cfg["compile"], cfg["checkpoint"]
-    run = Run(steps)
+    run = Run(steps, [], [])
     for step in steps:
         step_start = time.perf_counter()
         x, y = (z.to(device) for z in next(data))
@@ -253,8 +245,8 @@ def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, devic
             run.time_to_first_step = time.perf_counter() - t_start
             if comp["enable"] and comp["fail_on_recompile"]:
                 torch.compiler.set_stance("fail_on_recompile")  # every block is compiled by now
-        log(report.step_line(step, loss, grad_norm, report.tokens_per_step(cfg) / run.step_times[-1],
-                             time.perf_counter() - t_start))
+        log(f"step {step:3d} | loss {loss:.6f} | grad norm {grad_norm:.6f} | "
+            f"{report.tokens_per_step(cfg) / run.step_times[-1]:7.0f} tokens/s | {time.perf_counter() - t_start:6.1f} s")
         if ckpt["enable"] and (step % ckpt["interval"] == 0 or step == t["steps"]):
             checkpoint.save(Path(ckpt["folder"]), step, ckpt["keep_latest_k"], model, optimizer, scheduler,
                             generator, log)
