@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import parallelize
 import report
 import train
 from config import validate
-from parallelize import parallelize
+from reach import build_family
 
 
 def pytest_configure(config):
@@ -75,20 +76,10 @@ def small_config(**overrides) -> dict:
     return cfg
 
 
-def build_other_architecture(arch: str, model_cfg: dict):
-    """A stock transformers model with Llama's module names, from the (shrunk) [model] fields,
-    with 8 kv heads (GQA). Qwen3 adds q_norm/k_norm inside attention; Qwen2 biases on q/k/v."""
-    import transformers
-
-    classes = {"qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
-    config_class, model_class = (getattr(transformers, name) for name in classes[arch])
-    config = config_class(**{**model_cfg, "num_key_value_heads": 8}, use_cache=False, tie_word_embeddings=False)
-    return model_class(config)
-
-
 def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: str = "llama") -> dict:
     """Train training.steps steps with the trainer's own functions; report global-mean losses,
-    gradient norms before clipping, and what Dynamo saw. `arch` other than "llama": that HF model, parallelized by the same code."""
+    gradient norms before clipping, and what Dynamo saw. `arch` other than "llama": that
+    transformers model_type (reach.build_family), parallelized by the same code."""
     from torch._dynamo.utils import guard_failures
 
     validate(cfg, world_size)
@@ -100,8 +91,8 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
         model, optimizer, scheduler = train.build_training(cfg, device, parallel_dims)
     else:
         torch.manual_seed(t["seed"])
-        model = build_other_architecture(arch, cfg["model"]).to(device)
-        parallelize(model, parallel_dims, cfg)
+        model = build_family(arch, cfg["model"]).to(device)
+        parallelize.parallelize(model, parallel_dims, cfg)
         optimizer, scheduler = train.build_optimizer(model, t)
     # FSDP2 puts with_kwargs=True pre-hooks on the modules it shards (outside the compiled
     # frames); the bug's precondition is one on attention, inside every compiled block.

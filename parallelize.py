@@ -4,6 +4,10 @@
 torch's primitive on the HF module names. Library workarounds are at the bottom.
 """
 
+import ast
+import inspect
+import re
+import textwrap
 import warnings
 
 import torch
@@ -11,7 +15,7 @@ import torch.nn as nn
 import torchtitan.distributed.parallel_dims
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 from torchtitan.config.job_config import ActivationCheckpoint as ACConfig, Compile as CompileConfig
@@ -53,37 +57,121 @@ def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str, a
     """TP + sequence parallel: torchtitan's llama3 plan on HF names. Between blocks activations
     are Shard(1) (sequence); attention and MLP all-gather on entry and reduce-scatter on exit.
     Logits come out replicated, so the loss is a plain cross entropy."""
+    require_sdpa(model)
+    plans = [block_plan(block, decoder_layer, attention_gather) for block in model.model.layers]  # may refuse
     parallelize_module(model, tp_mesh, {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "model.norm": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     })
     materialize_embedding_output(model.model.embed_tokens)
-
-    for block in model.model.layers:
-        parallelize_module(block, tp_mesh, {
-            "input_layernorm": SequenceParallel(),
-            **_attention_input_plan(decoder_layer, attention_gather),
-            **_qk_norm_plan(block),
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "post_attention_layernorm": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        })
+    for i, (block, plan) in enumerate(zip(model.model.layers, plans)):
+        parallelize_module(block, tp_mesh, plan)
         if attention_gather == "norm_output":
-            # A second call: a plan holds one style per module, and input_layernorm has two.
-            parallelize_module(block.input_layernorm, tp_mesh, GATHER_AT_NORM_OUTPUT)
+            # A second call: a plan holds one style per module, and the attention norm has two.
+            parallelize_module(block.get_submodule(attention_norm(block)), tp_mesh, GATHER_AT_NORM_OUTPUT)
+        refuse_unplanned_parameters(block, f"model.layers.{i}")
 
 
-# Recipe B: all-gather attention's input at input_layernorm's output in a positional forward hook,
-# kept a Replicate DTensor: q, k and v's input gradients leave by one reduce-scatter (README).
+# Recipe B: all-gather attention's input at the attention norm's output in a positional forward
+# hook, kept a Replicate DTensor: q, k and v's input gradients leave by one reduce-scatter (README).
 GATHER_AT_NORM_OUTPUT = PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
                                             use_local_output=False)
+class PlanError(ValueError):
+    """What the TP plan cannot make correct, raised before it changes the model."""
+
+
+NORM = re.compile(r"(RMS|Layer)Norm")  # HF's norm classes: LlamaRMSNorm, CohereLayerNorm, nn.LayerNorm
+ATTENTION_NORMS = ("input_layernorm", "attention_layernorm")  # the norm whose output attention reads
+MLP_PROJECTIONS = {"gate_proj": "in", "up_proj": "in", "c_fc": "in", "fc1": "in",
+                   "down_proj": "out", "c_proj": "out", "fc2": "out"}
+
+
+def block_plan(block: nn.Module, decoder_layer: str, attention_gather: str) -> dict:
+    """One block's plan, from the modules it holds. Every norm outside attention and the MLP is
+    SequenceParallel, found by type: its weight's gradient is then summed over the TP group (an
+    unplanned norm trains on its rank's tokens only, in silence). Raises PlanError for what the
+    plan cannot make correct."""
+    gather_at = attention_norm(block) if attention_gather == "norm_output" else "input_layernorm"
+    norms = [name for name, module in block.named_children() if NORM.search(type(module).__name__)]
+    return {
+        **{name: SequenceParallel(use_local_output=name != gather_at) for name in norms},
+        **_attention_input_plan(decoder_layer, attention_gather),
+        **attention_plan(block.self_attn),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        **mlp_plan(block.mlp),
+    }
+
+
+def attention_norm(block: nn.Module) -> str:
+    """The norm whose output attention reads: where recipe B gathers."""
+    for name in ATTENTION_NORMS:
+        if hasattr(block, name):
+            return name
+    raise PlanError(f"{type(block).__name__} has no norm before attention ({' or '.join(ATTENTION_NORMS)}): "
+                     "a post-norm block, where recipe B has no module to gather at; vendor the layer (recipe A)")
+
+
+def attention_plan(attn: nn.Module) -> dict:
+    """q, k, v column-wise, o row-wise back to Shard(1); a per-head q/k norm as torchtitan's HF
+    backend plans Qwen3's (each rank holds its own heads on dim 2, the weight's gradient summed)."""
+    children = dict(attn.named_children())
+    missing = [name for name in ("q_proj", "k_proj", "v_proj", "o_proj") if name not in children]
+    if missing:
+        raise PlanError(f"{type(attn).__name__} has no {', '.join(missing)} (it has {', '.join(children)}): "
+                         "column-wise TP would split a fused projection across q, k and v")
+    if reshape := _global_head_reshape(attn):
+        raise PlanError(f"{type(attn).__name__} reshapes with the global head count ({reshape}), "
+                         "but TP leaves each rank 1/TP of the heads: its attention code needs a patch")
+    plan = {f"self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+    plan["self_attn.o_proj"] = RowwiseParallel(output_layouts=Shard(1))
+    for name, module in children.items():
+        if NORM.search(type(module).__name__):
+            width = module.weight.shape[-1]
+            if width != attn.head_dim:
+                raise PlanError(f"{type(attn).__name__}.{name} normalizes {width} features across heads "
+                                 f"(head_dim {attn.head_dim}): under TP each rank would normalize its own heads only")
+            plan[f"self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def _global_head_reshape(attn: nn.Module) -> str | None:
+    """A view or reshape in attention's forward sized by the model's head count or width
+    (stablelm's `view(bsz, q_len, self.num_heads, self.head_dim)`), not by -1."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(type(attn).forward)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("view", "reshape") and any(
+                isinstance(a, ast.Attribute) and a.attr in ("num_heads", "num_key_value_heads", "hidden_size")
+                for arg in node.args for a in ast.walk(arg)):
+            return ast.unparse(node)
+    return None
+
+
+def mlp_plan(mlp: nn.Module) -> dict:
+    """The MLP's input projections column-wise, its output projection row-wise back to Shard(1)."""
+    linears = [name for name, module in mlp.named_children() if isinstance(module, nn.Linear)]
+    unknown = [name for name in linears if name not in MLP_PROJECTIONS]
+    if unknown or not linears:
+        raise PlanError(f"{type(mlp).__name__}.{(unknown or ['?'])[0]} is not one of {', '.join(MLP_PROJECTIONS)}: "
+                         "column-wise TP would split a fused projection (gate_up_proj) across its parts")
+    return {f"mlp.{name}": ColwiseParallel() if MLP_PROJECTIONS[name] == "in" else RowwiseParallel(output_layouts=Shard(1))
+            for name in linears}
+
+
+def require_sdpa(model: nn.Module) -> None:
+    """Under sequence parallel HF builds an attention mask from each rank's 1/TP of the sequence;
+    SDPA with no mask runs is_causal over the gathered sequence instead."""
+    if (impl := model.config._attn_implementation) != "sdpa":
+        raise PlanError(f"{type(model).__name__} runs attention as {impl!r}; the TP plan needs 'sdpa' (no mask)")
+
+
+def refuse_unplanned_parameters(block: nn.Module, prefix: str) -> None:
+    """After the plan, every parameter of a block is a DTensor; a plain one would keep only its
+    rank's part of the gradient, and nothing would sum it."""
+    plain = [name for name, p in block.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        raise PlanError(f"{prefix}.{plain[0]} is not in the TP plan: its gradient would hold this rank's "
+                         "tokens or heads only")
 
 
 def _attention_input_plan(decoder_layer: str, attention_gather: str) -> dict:
@@ -100,15 +188,6 @@ def _attention_input_plan(decoder_layer: str, attention_gather: str) -> dict:
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
         )}
     raise ValueError(f"decoder_layer must be 'positional' or 'stock', got {decoder_layer!r}")
-
-
-def _qk_norm_plan(block: nn.Module) -> dict:
-    """Qwen3's per-head q/k RMSNorm, as torchtitan's HF backend plans it: each rank holds its
-    own heads (dim 2), and as a DTensor the weight's gradient is summed over the TP ranks."""
-    if not hasattr(block.self_attn, "q_norm"):
-        return {}
-    return {name: SequenceParallel(sequence_dim=2, use_local_output=True)
-            for name in ("self_attn.q_norm", "self_attn.k_norm")}
 
 
 def apply_ac(model: LlamaForCausalLM, mode: str, selective_option: str, compile_enabled: bool) -> None:

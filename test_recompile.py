@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import train
@@ -24,6 +25,8 @@ from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, free_port, ru
                       small_config)
 from config import validate
 from model import PositionalLlamaDecoderLayer, build_model, forward_logits
+from parallelize import apply_tp, refuse_unplanned_parameters
+from reach import build_family
 from survey import markdown_table, survey_attention_calls
 
 
@@ -155,15 +158,96 @@ def test_norm_output_plan_communicates_as_the_pre_hook_plan(tmp_path):
     assert any("all_gather" in op for op in counts["pre_hook"]), counts
 
 
+def one_eager_process(arch: str) -> dict:
+    return run_training(small_config(**{"compile.enable": False, "parallelism.tp": 1}), 1, arch=arch)
+
+
 @pytest.mark.recompile_proof
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "gemma3_text"])
 def test_norm_output_plan_fixes_other_hf_architectures(tmp_root, arch):
+    """Qwen3: per-head q/k norms; Qwen2: q/k/v biases; Gemma3: both q/k norms and four block
+    norms (around attention and the MLP), each planned by its type."""
     r = run_tp(tmp_root, arch, **{"parallelism.decoder_layer": "stock", **NORM_OUTPUT})
     assert r["error"] is None, r["error"]
     assert r["kwargs_hooks"] == []
     assert (r["graphs"], r["recompiles"]) == (1, 0), r["recompile_reasons"]
-    single_eager = run_training(small_config(**{"compile.enable": False, "parallelism.tp": 1}), 1, arch=arch)
+    single_eager = one_eager_process(arch)
     assert r["losses"] == pytest.approx(single_eager["losses"], abs=1e-4), f"{arch}: TP=2 vs 1 process"
+    assert r["grad_norms"] == pytest.approx(single_eager["grad_norms"], rel=1e-4), f"{arch}: TP=2 vs 1 process"
+
+
+def _norm_gradients_main(rank: int, port: int, out: str) -> None:
+    """Gemma3's block-norm weight gradients after one eager TP 2 forward/backward, with the plan's
+    norm planning and without it (the norms left plain, the unplanned-parameter refusal off)."""
+    import parallelize
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(TP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    cfg = small_config(**{**NORM_OUTPUT, "parallelism.decoder_layer": "stock", "compile.enable": False,
+                          "activation_checkpoint.mode": "none"})
+    validate(cfg, TP)
+    planned, grads = parallelize.block_plan, {}
+    for variant in ("planned", "unplanned"):
+        if variant == "unplanned":
+            parallelize.block_plan = lambda block, *args: {
+                name: style for name, style in planned(block, *args).items() if name not in BLOCK_NORMS}
+            parallelize.refuse_unplanned_parameters = lambda *args: None
+        torch.manual_seed(0)
+        model = build_family("gemma3_text", cfg["model"])
+        parallelize.parallelize(model, train.build_mesh(cfg, TP, torch.device("cpu")), cfg)
+        forward_logits(model, GRADIENT_BATCH).float().pow(2).mean().backward()
+        grads[variant] = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).tolist()
+                          for name, p in model.named_parameters() if name.rsplit(".", 2)[-2] in BLOCK_NORMS}
+    if rank == 0:
+        Path(out).write_text(json.dumps(grads))
+    dist.destroy_process_group()
+
+
+BLOCK_NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+GRADIENT_BATCH = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+
+
+def test_without_the_norm_planning_gemma3_norms_get_wrong_gradients_in_silence(tmp_path):
+    """The risk the norm planning (and the unplanned-parameter refusal) removes: a block norm
+    the plan does not name runs on its rank's tokens, and nothing sums its gradient. Forward
+    and backward raise nothing; the gradients are one rank's share."""
+    out = tmp_path / "grads.json"
+    mp.spawn(_norm_gradients_main, args=(free_port(), str(out)), nprocs=TP)
+    grads = json.loads(out.read_text())
+    torch.manual_seed(0)
+    model = build_family("gemma3_text", small_config()["model"])
+    forward_logits(model, GRADIENT_BATCH).float().pow(2).mean().backward()
+    single = {name: p.grad for name, p in model.named_parameters() if name in grads["planned"]}
+    assert len(single) == len(BLOCK_NORMS) * NUM_BLOCKS
+    for name, grad in single.items():
+        assert torch.allclose(torch.tensor(grads["planned"][name]), grad, rtol=1e-4, atol=1e-6), name
+    wrong = [name for name, grad in single.items()
+             if not torch.allclose(torch.tensor(grads["unplanned"][name]), grad, rtol=1e-2, atol=1e-6)]
+    assert wrong == list(single), f"only {wrong} differ from one process without the norm planning"
+
+
+@pytest.mark.recompile_proof
+@pytest.mark.parametrize("family, message", [
+    ("olmo2", "Olmo2DecoderLayer has no norm before attention (input_layernorm or attention_layernorm)"),
+    ("phi3", "Phi3Attention has no q_proj, k_proj, v_proj (it has o_proj, qkv_proj)"),
+    ("glm4", "Glm4MLP.gate_up_proj is not one of gate_proj, up_proj"),
+    ("stablelm", "StableLmAttention reshapes with the global head count"),
+    ("gemma2", "Gemma2ForCausalLM runs attention as 'eager'"),
+])
+def test_tp_plan_refuses_what_it_cannot_make_correct_before_any_change(family, message):
+    """apply_tp raises before it touches the model (no mesh is needed to get there)."""
+    model = build_family(family, small_config()["model"])
+    with pytest.raises(ValueError) as e:
+        apply_tp(model, None, "stock", "norm_output")
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_a_block_parameter_left_out_of_the_plan_is_refused():
+    block = build_model(small_config()["model"]).model.layers[0]
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj.weight is not in the TP plan"):
+        refuse_unplanned_parameters(block, "model.layers.0")
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])

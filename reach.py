@@ -1,0 +1,198 @@
+"""Recipe B's reach: every dense HF decoder family under TP 2 + SP + compile + full AC.
+
+    python reach.py                        # the table in RESULTS.md, for the installed torch
+    python reach.py --families gemma3_text,olmo2
+
+Each family is built tiny from its own config class (the tests' shrunk [model]: 4 blocks,
+hidden 256, 16 heads, 8 kv heads, head_dim 16; token ids inside the vocabulary; every dropout 0;
+SDPA where transformers allows it), parallelized by parallelize.py with HF's own layer and
+`attention_gather = "norm_output"`, trained 3 steps on 2 gloo ranks with the tests' harness
+(conftest.run_training) and compared with one eager process on the same batches. A second run
+counts the kwargs plan's graphs on the same torch.
+"""
+
+import argparse
+import tempfile
+import time
+
+# The families named in the survey's brief, then any other dense decoder-only family found.
+FAMILIES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "gemma3_text",
+            "cohere", "cohere2", "olmo", "olmo2", "phi3", "glm", "glm4", "stablelm", "starcoder2", "helium",
+            "smollm3", "ernie4_5", "seed_oss", "arcee", "nemotron", "exaone4", "hunyuan_v1_dense", "apertus")
+RECIPE_B = {"parallelism.decoder_layer": "stock", "parallelism.attention_gather": "norm_output"}
+KWARGS_PLAN = {"parallelism.decoder_layer": "stock", "parallelism.attention_gather": "pre_hook"}
+
+
+def build_family(family: str, model_cfg: dict, kv_heads: int = 8):
+    """A randomly initialised `*ForCausalLM` of `family` (a transformers model_type) with
+    [model]'s sizes, from the family's own config class."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    heads = model_cfg["num_attention_heads"]
+    sizes = dict(hidden_size=model_cfg["hidden_size"], intermediate_size=model_cfg["intermediate_size"],
+                 num_hidden_layers=model_cfg["num_hidden_layers"], num_attention_heads=heads,
+                 num_key_value_heads=kv_heads, head_dim=model_cfg["hidden_size"] // heads,
+                 vocab_size=model_cfg["vocab_size"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                 use_cache=False, tie_word_embeddings=False)
+    config = AutoConfig.for_model(family, **sizes)
+    for key, value in config.to_dict().items():
+        if "dropout" in key and isinstance(value, float):
+            setattr(config, key, 0.0)  # or the comparison with one process measures random masks
+    try:
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError as e:  # gemma2: no SDPA (softcapping); apply_tp then refuses "eager" in one line
+        if "scaled_dot_product_attention" not in str(e):
+            raise
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def _rank_main(rank: int, port: int, family: str, out: str) -> None:
+    """Both plans on this rank of 2, one after the other, with Dynamo's state reset between."""
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from conftest import run_training, small_config  # the tests' harness: 4 blocks, recompile_limit 2
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    results = {}
+    for name, plan in (("recipe_b", RECIPE_B), ("kwargs", KWARGS_PLAN)):
+        try:
+            results[name] = run_training(small_config(**plan), 2, arch=family)
+        except Exception as e:  # a refusal from apply_tp, or a failure while building
+            results[name] = {"error": first_line(e)}
+        torch._dynamo.reset()
+        counters.clear()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def measure(family: str, timeout: float = 900) -> dict:
+    """One row: recipe B and the kwargs plan on 2 ranks, against one eager process."""
+    import json
+    import os
+
+    import torch.multiprocessing as mp
+
+    from conftest import free_port, run_training, small_config
+
+    row = {"family": family}
+    try:
+        row["single"] = run_training(small_config(**{**RECIPE_B, "compile.enable": False, "parallelism.tp": 1}), 1,
+                                     arch=family)
+    except Exception as e:
+        row["single"] = {"error": first_line(e)}
+    out = os.path.join(tempfile.mkdtemp(prefix="reach-"), "result.json")
+    context = mp.start_processes(_rank_main, args=(free_port(), family, out), nprocs=2, join=False)
+    try:
+        deadline = time.monotonic() + timeout
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no result in {timeout:.0f} s")
+        with open(out) as f:
+            row.update(json.load(f))
+    except Exception as e:  # a rank that died, or hung
+        for process in context.processes:
+            process.kill()
+        row["recipe_b"] = row["kwargs"] = {"error": first_line(e)}
+    return row
+
+
+def summarize(row: dict) -> dict:
+    """The table's cells for one torch: graphs, recompiles, the largest loss and gradient-norm
+    differences from one process, the kwargs plan's graphs, and the first error."""
+    b, kwargs, single = row["recipe_b"], row["kwargs"], row["single"]
+    cells = {"graphs": b.get("graphs", "-"), "recompiles": b.get("recompiles", "-"), "loss": "-", "grad": "-",
+             "kwargs": kwargs.get("graphs", "-") if not kwargs.get("error") else "refused"}
+    if kwargs.get("error") and "recompile_limit" in kwargs["error"]:
+        cells["kwargs"] = f"{kwargs['graphs']}, limit hit"
+    error = b.get("error") or single.get("error")
+    if not error and len(b["losses"]) == len(single["losses"]):
+        cells["loss"] = max(abs(x - y) for x, y in zip(b["losses"], single["losses"]))
+        cells["grad"] = max(abs(x - y) / y for x, y in zip(b["grad_norms"], single["grad_norms"]))
+    cells["error"] = error
+    return cells
+
+
+def verdict(cells: dict) -> str:
+    """"correct" (1 graph, one process's numbers to 1e-4), "WRONG", "refused" by the plan in one
+    line, or "fails" (any other error)."""
+    if cells["error"]:
+        return "refused" if cells["error"].startswith("PlanError") else "fails"
+    if isinstance(cells["loss"], str):
+        return "fails"
+    ok = cells["graphs"] == 1 and cells["recompiles"] == 0 and cells["loss"] <= 1e-4 and cells["grad"] <= 1e-4
+    return "correct" if ok else "WRONG"
+
+
+def markdown_table(results: dict[str, list[dict]]) -> str:
+    """One row per family, one group of columns per torch (results: {torch version: rows})."""
+    versions = list(results)
+    head = "| family | " + " | ".join(f"torch {v}: recipe B graphs, recompiles | max loss diff | max grad-norm "
+                                        f"rel. diff | kwargs plan graphs" for v in versions) + " | result |"
+    lines = [head, "|---|" + "---|---|---|---|" * len(versions) + "---|"]
+    by_family = {}
+    for version in versions:
+        for row in results[version]:
+            by_family.setdefault(row["family"], {})[version] = summarize(row)
+    for family, per_torch in by_family.items():
+        cells, results_text = [], []
+        for version in versions:
+            c = per_torch.get(version)
+            if c is None:
+                cells.append("- | - | - | -")
+                continue
+            number = lambda x: f"{x:.1e}" if isinstance(x, float) else str(x)  # noqa: E731
+            cells.append(f"{c['graphs']}, {c['recompiles']} | {number(c['loss'])} | {number(c['grad'])} | {c['kwargs']}")
+            results_text.append(verdict(c) + (f": `{c['error']}`" if c["error"] else ""))
+        shown = results_text[0] if len(set(results_text)) == 1 else "; ".join(
+            f"{v}: {t}" for v, t in zip(versions, results_text))
+        lines.append(f"| {family} | " + " | ".join(cells) + f" | {shown} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--json", help="write the rows for this torch to this file")
+    parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier --json files")
+    args = parser.parse_args()
+    if args.table:
+        results = {}
+        for path in args.table:
+            with open(path) as f:
+                data = json.load(f)
+            results[data["torch"]] = data["rows"]
+        return print(markdown_table(results))
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    rows = []
+    for family in args.families.split(","):
+        start = time.perf_counter()
+        rows.append(measure(family))
+        cells = summarize(rows[-1])
+        print(f"{family}: {verdict(cells)} {cells} ({time.perf_counter() - start:.0f} s)", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"torch": torch.__version__.split("+")[0], "rows": rows}, f)
+    print(markdown_table({torch.__version__.split("+")[0]: rows}))
+
+
+if __name__ == "__main__":
+    main()
