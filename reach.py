@@ -14,11 +14,54 @@ counts the kwargs plan's graphs on the same torch.
 import argparse
 import tempfile
 import time
+import warnings
 
 # The families named in the survey's brief, then any other dense decoder-only family found.
 FAMILIES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "gemma3_text",
             "cohere", "cohere2", "olmo", "olmo2", "phi3", "glm", "glm4", "stablelm", "starcoder2", "helium",
             "smollm3", "ernie4_5", "seed_oss", "arcee", "nemotron", "exaone4", "hunyuan_v1_dense", "apertus")
+# Why, for results the error line does not explain (diagnosed by reading the family's code).
+CAUSES = {
+    "cohere2": "two kinds of block: only its sliding-window layers apply RoPE",
+    "smollm3": "two kinds of block: every 4th layer has no RoPE (NoPE)",
+    "exaone4": "post-norm blocks; the kwargs plan's 2 graphs are its sliding and full attention layers",
+    "apertus": "its MLP's xIELU activation has parameters, fed the column-sharded features",
+    "starcoder2": "on 2.10.0 step 1's gradient norm is equal to 8.8e-6 and step 3's off by 3.3e-4 in eager "
+                  "TP too: rounding that AdamW's first updates amplify, not a missing reduction",
+}
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+def dense_families() -> tuple[list[str], dict[str, list[str]]]:
+    """(FAMILIES, then every other model_type with a `*ForCausalLM` whose layers call
+    `self.self_attn`, dense and text-only; {why left out: model_types})."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from survey import survey_attention_calls
+
+    calls = {family for style in ("keyword", "positional") for family in survey_attention_calls()[style]}
+    found, left_out = list(FAMILIES), {}
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        if model_type in found:
+            continue
+        try:
+            config = AutoConfig.for_model(model_type).to_dict()
+        except Exception as e:  # a default config that does not validate
+            left_out.setdefault(f"its default config does not build ({type(e).__name__})", []).append(model_type)
+            continue
+        why = ("encoder-decoder" if config.get("is_encoder_decoder") else
+               "multimodal (a text_config inside)" if config.get("text_config") else
+               "mixture of experts" if any((config.get(key) or 0) > 1 for key in MOE_KEYS) else
+               "its layers do not call self.self_attn" if model_type_to_module_name(model_type) not in calls else None)
+        if why:
+            left_out.setdefault(why, []).append(model_type)
+        else:
+            found.append(model_type)
+    return found, left_out
+
+
 RECIPE_B = {"parallelism.decoder_layer": "stock", "parallelism.attention_gather": "norm_output"}
 KWARGS_PLAN = {"parallelism.decoder_layer": "stock", "parallelism.attention_gather": "pre_hook"}
 
@@ -122,19 +165,21 @@ def summarize(row: dict) -> dict:
     if not error and len(b["losses"]) == len(single["losses"]):
         cells["loss"] = max(abs(x - y) for x, y in zip(b["losses"], single["losses"]))
         cells["grad"] = max(abs(x - y) / y for x, y in zip(b["grad_norms"], single["grad_norms"]))
+        cells["grad_step_1"] = abs(b["grad_norms"][0] - single["grad_norms"][0]) / single["grad_norms"][0]
     cells["error"] = error
     return cells
 
 
 def verdict(cells: dict) -> str:
-    """"correct" (1 graph, one process's numbers to 1e-4), "WRONG", "refused" by the plan in one
-    line, or "fails" (any other error)."""
+    """"correct" (one process's numbers to 1e-4 at every step), "drift after step 1", "WRONG",
+    "refused" by the plan in one line, or "fails" (any other error)."""
     if cells["error"]:
         return "refused" if cells["error"].startswith("PlanError") else "fails"
     if isinstance(cells["loss"], str):
         return "fails"
-    ok = cells["graphs"] == 1 and cells["recompiles"] == 0 and cells["loss"] <= 1e-4 and cells["grad"] <= 1e-4
-    return "correct" if ok else "WRONG"
+    if cells["loss"] > 1e-4 or cells["grad"] > 1e-4:  # a gradient nothing sums is off from step 1 on
+        return "drift after step 1" if cells["grad_step_1"] <= 1e-4 else "WRONG"
+    return "correct" if (cells["graphs"], cells["recompiles"]) == (1, 0) else f"correct, {cells['graphs']} graphs"
 
 
 def markdown_table(results: dict[str, list[dict]]) -> str:
@@ -157,6 +202,8 @@ def markdown_table(results: dict[str, list[dict]]) -> str:
             number = lambda x: f"{x:.1e}" if isinstance(x, float) else str(x)  # noqa: E731
             cells.append(f"{c['graphs']}, {c['recompiles']} | {number(c['loss'])} | {number(c['grad'])} | {c['kwargs']}")
             results_text.append(verdict(c) + (f": `{c['error']}`" if c["error"] else ""))
+        if family in CAUSES:
+            results_text = [f"{text} ({CAUSES[family]})" for text in results_text]
         shown = results_text[0] if len(set(results_text)) == 1 else "; ".join(
             f"{v}: {t}" for v, t in zip(versions, results_text))
         lines.append(f"| {family} | " + " | ".join(cells) + f" | {shown} |")
@@ -167,7 +214,7 @@ def main() -> None:
     import json
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--families", help="comma-separated model_types (default: every dense family found)")
     parser.add_argument("--json", help="write the rows for this torch to this file")
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier --json files")
     args = parser.parse_args()
@@ -176,14 +223,15 @@ def main() -> None:
         for path in args.table:
             with open(path) as f:
                 data = json.load(f)
-            results[data["torch"]] = data["rows"]
+            results.setdefault(data["torch"], []).extend(data["rows"])
         return print(markdown_table(results))
 
     import torch
 
     warnings.filterwarnings("ignore")
+    families = args.families.split(",") if args.families else dense_families()[0]
     rows = []
-    for family in args.families.split(","):
+    for family in families:
         start = time.perf_counter()
         rows.append(measure(family))
         cells = summarize(rows[-1])

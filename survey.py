@@ -4,7 +4,7 @@
 
 A keyword call needs TP's `PrepareModuleInput(input_kwarg_layouts=...)`, whose with_kwargs=True
 pre-hook recompiles every block on torch <= 2.10 (pytorch/pytorch#170110). The norm-output plan
-(`parallelism.attention_gather = "norm_output"`) avoids the hook for all of them.
+(`parallelism.attention_gather = "norm_output"`) avoids the hook; reach.py says for which families.
 """
 
 import ast
