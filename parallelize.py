@@ -77,6 +77,8 @@ def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str, a
 # hook, kept a Replicate DTensor: q, k and v's input gradients leave by one reduce-scatter (README).
 GATHER_AT_NORM_OUTPUT = PrepareModuleOutput(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
                                             use_local_output=False)
+
+
 class PlanError(ValueError):
     """What the TP plan cannot make correct, raised before it changes the model."""
 
@@ -109,7 +111,7 @@ def attention_norm(block: nn.Module) -> str:
         if hasattr(block, name):
             return name
     raise PlanError(f"{type(block).__name__} has no norm before attention ({' or '.join(ATTENTION_NORMS)}): "
-                     "a post-norm block, where recipe B has no module to gather at; vendor the layer (recipe A)")
+                    "a post-norm block, where recipe B has no module to gather at; vendor the layer (recipe A)")
 
 
 def attention_plan(attn: nn.Module) -> dict:
@@ -119,10 +121,10 @@ def attention_plan(attn: nn.Module) -> dict:
     missing = [name for name in ("q_proj", "k_proj", "v_proj", "o_proj") if name not in children]
     if missing:
         raise PlanError(f"{type(attn).__name__} has no {', '.join(missing)} (it has {', '.join(children)}): "
-                         "column-wise TP would split a fused projection across q, k and v")
+                        "column-wise TP would split a fused projection across q, k and v")
     if reshape := _global_head_reshape(attn):
         raise PlanError(f"{type(attn).__name__} reshapes with the global head count ({reshape}), "
-                         "but TP leaves each rank 1/TP of the heads: its attention code needs a patch")
+                        "but TP leaves each rank 1/TP of the heads: its attention code needs a patch")
     plan = {f"self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
     plan["self_attn.o_proj"] = RowwiseParallel(output_layouts=Shard(1))
     for name, module in children.items():
@@ -130,7 +132,7 @@ def attention_plan(attn: nn.Module) -> dict:
             width = module.weight.shape[-1]
             if width != attn.head_dim:
                 raise PlanError(f"{type(attn).__name__}.{name} normalizes {width} features across heads "
-                                 f"(head_dim {attn.head_dim}): under TP each rank would normalize its own heads only")
+                                f"(head_dim {attn.head_dim}): under TP each rank would normalize its own heads only")
             plan[f"self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
 
@@ -153,7 +155,7 @@ def mlp_plan(mlp: nn.Module) -> dict:
     unknown = [name for name in linears if name not in MLP_PROJECTIONS]
     if unknown or not linears:
         raise PlanError(f"{type(mlp).__name__}.{(unknown or ['?'])[0]} is not one of {', '.join(MLP_PROJECTIONS)}: "
-                         "column-wise TP would split a fused projection (gate_up_proj) across its parts")
+                        "column-wise TP would split a fused projection (gate_up_proj) across its parts")
     return {f"mlp.{name}": ColwiseParallel() if MLP_PROJECTIONS[name] == "in" else RowwiseParallel(output_layouts=Shard(1))
             for name in linears}
 
@@ -171,7 +173,7 @@ def refuse_unplanned_parameters(block: nn.Module, prefix: str) -> None:
     plain = [name for name, p in block.named_parameters() if not isinstance(p, DTensor)]
     if plain:
         raise PlanError(f"{prefix}.{plain[0]} is not in the TP plan: its gradient would hold this rank's "
-                         "tokens or heads only")
+                        "tokens or heads only")
 
 
 def _attention_input_plan(decoder_layer: str, attention_gather: str) -> dict:
