@@ -57,6 +57,7 @@ def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str, a
     """TP + sequence parallel: torchtitan's llama3 plan on HF names. Between blocks activations
     are Shard(1) (sequence); attention and MLP all-gather on entry and reduce-scatter on exit.
     Logits come out replicated, so the loss is a plain cross entropy."""
+    require_layout(model)
     require_sdpa(model)
     plans = [block_plan(block, decoder_layer, attention_gather) for block in model.model.layers]  # may refuse
     parallelize_module(model, tp_mesh, {
@@ -153,11 +154,24 @@ def mlp_plan(mlp: nn.Module) -> dict:
     """The MLP's input projections column-wise, its output projection row-wise back to Shard(1)."""
     linears = [name for name, module in mlp.named_children() if isinstance(module, nn.Linear)]
     unknown = [name for name in linears if name not in MLP_PROJECTIONS]
-    if unknown or not linears:
-        raise PlanError(f"{type(mlp).__name__}.{(unknown or ['?'])[0]} is not one of {', '.join(MLP_PROJECTIONS)}: "
+    if not linears:
+        raise PlanError(f"{type(mlp).__name__} has no nn.Linear projection (experts?) for the plan to shard")
+    if unknown:
+        raise PlanError(f"{type(mlp).__name__}.{unknown[0]} is not one of {', '.join(MLP_PROJECTIONS)}: "
                         "column-wise TP would split a fused projection (gate_up_proj) across its parts")
     return {f"mlp.{name}": ColwiseParallel() if MLP_PROJECTIONS[name] == "in" else RowwiseParallel(output_layouts=Shard(1))
             for name in linears}
+
+
+def require_layout(model: nn.Module) -> None:
+    """The module names the plan uses, every block's included."""
+    blocks = getattr(getattr(model, "model", None), "layers", [])
+    for name in ("model.embed_tokens", "model.layers", "model.norm", "lm_head",
+                 *(f"model.layers.{i}.{part}" for i in range(len(blocks)) for part in ("self_attn", "mlp"))):
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise PlanError(f"{type(model).__name__} has no {name}: the plan names HF's Llama layout") from None
 
 
 def require_sdpa(model: nn.Module) -> None:

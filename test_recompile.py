@@ -234,6 +234,7 @@ def test_without_the_norm_planning_gemma3_norms_get_wrong_gradients_in_silence(t
     ("glm4", "Glm4MLP.gate_up_proj is not one of gate_proj, up_proj"),
     ("stablelm", "StableLmAttention reshapes with the global head count"),
     ("gemma2", "Gemma2ForCausalLM runs attention as 'eager'"),
+    ("biogpt", "BioGptForCausalLM has no model.embed_tokens: the plan names HF's Llama layout"),
 ])
 def test_tp_plan_refuses_what_it_cannot_make_correct_before_any_change(family, message):
     """apply_tp raises before it touches the model (no mesh is needed to get there)."""
