@@ -5,6 +5,7 @@ torch's primitive on the HF module names. Library workarounds are at the bottom.
 """
 
 import ast
+import functools
 import inspect
 import re
 import textwrap
@@ -123,7 +124,7 @@ def attention_plan(attn: nn.Module) -> dict:
     if missing:
         raise PlanError(f"{type(attn).__name__} has no {', '.join(missing)} (it has {', '.join(children)}): "
                         "column-wise TP would split a fused projection across q, k and v")
-    if reshape := _global_head_reshape(attn):
+    if reshape := _global_head_reshape(type(attn)):
         raise PlanError(f"{type(attn).__name__} reshapes with the global head count ({reshape}), "
                         "but TP leaves each rank 1/TP of the heads: its attention code needs a patch")
     plan = {f"self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
@@ -138,10 +139,11 @@ def attention_plan(attn: nn.Module) -> dict:
     return plan
 
 
-def _global_head_reshape(attn: nn.Module) -> str | None:
+@functools.cache  # one parse per attention class, not per block
+def _global_head_reshape(attention_class: type) -> str | None:
     """A view or reshape in attention's forward sized by the model's head count or width
     (stablelm's `view(bsz, q_len, self.num_heads, self.head_dim)`), not by -1."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(type(attn).forward)))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(attention_class.forward)))
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("view", "reshape") and any(
                 isinstance(a, ast.Attribute) and a.attr in ("num_heads", "num_key_value_heads", "hidden_size")
