@@ -86,7 +86,7 @@ def build_titan(cfg: dict, device):
     tp = cfg["parallelism"]["tp"]
     if tp > 1:
         tp_mesh = build_parallel_dims(1, tp, device.type).get_mesh("tp")
-        apply_tp(model, tp_mesh, loss_parallel=False, enable_float8_tensorwise_tp=False)
+        apply_tp(model, tp_mesh, loss_parallel=cfg["parallelism"]["loss_parallel"], enable_float8_tensorwise_tp=False)
         # torchtitan's own model hits the same AsyncCollectiveTensor backward failure on torch 2.14.1.
         materialize_embedding_output(model.tok_embeddings)
     apply_ac(model, ActivationCheckpoint(mode="full"), model_compile_enabled=True,

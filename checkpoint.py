@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
-from transformers import LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from model import hf_config
 
@@ -174,6 +174,8 @@ def load_hf_weights(model, path: Path) -> None:
     full = {}
     for file in sorted(path.glob("*.safetensors")):
         full.update(load_file(file))
+    if model.config.tie_word_embeddings:  # HF writes the shared tensor once, as the embedding
+        full["lm_head.weight"] = full["model.embed_tokens.weight"]
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=True))
 
 
@@ -184,6 +186,8 @@ def save_hf(folder: Path, step: int, model, model_cfg: dict, log) -> None:
 
     start = time.perf_counter()
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if model.config.tie_word_embeddings:
+        del weights["lm_head.weight"]  # as HF saves a tied model: from_pretrained ties it back
     path = folder / f"step-{step}-hf"
     if is_rank0():
         tmp = path.with_name(path.name + ".tmp")
@@ -201,10 +205,11 @@ def hf_folder_mismatch(path: Path, model_cfg: dict) -> str | None:
         found = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
         return f"no readable config.json ({type(e).__name__})"
+    defaults = LlamaConfig().to_dict()  # what transformers assumes for a key config.json leaves out
     for key, want in model_cfg.items():
         if key == "attn_implementation":
             continue  # how to run attention, not what the weights are
-        have = found.get(key)
+        have = found.get(key, defaults.get(key))
         if have != want:
             return f"config.json has {key} = {have}, [model] has {want}"
     return hf_shapes_mismatch(path, model_cfg)
@@ -214,7 +219,8 @@ def hf_shapes_mismatch(path: Path, model_cfg: dict) -> str | None:
     from safetensors import safe_open
 
     with torch.device("meta"):
-        want = {k: list(v.shape) for k, v in LlamaForCausalLM(hf_config(model_cfg)).state_dict().items()}
+        want = {k: list(v.shape) for k, v in LlamaForCausalLM(hf_config(model_cfg)).state_dict().items()
+                if not (k == "lm_head.weight" and model_cfg["tie_word_embeddings"])}
     have = {}
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -21,17 +21,18 @@ quotes), and goes through the same checks as the file."""
 
 SCHEMA = {  # every key and its type, in config.toml's order
     "model": dict(hidden_size=int, num_hidden_layers=int, num_attention_heads=int, num_key_value_heads=int,
-                  intermediate_size=int, vocab_size=int, rms_norm_eps=float, max_position_embeddings=int,
-                  attn_implementation=str,
+                  intermediate_size=int, vocab_size=int, tie_word_embeddings=bool, rms_norm_eps=float,
+                  max_position_embeddings=int, attn_implementation=str,
                   # transformers' "llama3" RoPE: rope_theta and torchtitan's RoPEScalingArgs
                   rope_parameters=dict(rope_type=str, rope_theta=float, factor=float, low_freq_factor=float,
                                        high_freq_factor=float, original_max_position_embeddings=int)),
     "training": dict(steps=int, local_batch_size=int, seq_len=int, lr=float, warmup_steps=int, max_norm=float,
                      seed=int, mixed_precision_param=str, mixed_precision_reduce=str),
-    "parallelism": dict(dp_shard=int, tp=int, decoder_layer=str, attention_gather=str),
+    "parallelism": dict(dp_shard=int, tp=int, decoder_layer=str, attention_gather=str, loss_parallel=bool),
     "activation_checkpoint": dict(mode=str, selective_ac_option=str),
     "compile": dict(enable=bool, backend=str, fail_on_recompile=bool),
     "data": dict(max_bytes=int, eval_batches=int),
+    "metrics": dict(measure_cpu_peak=bool),
     "checkpoint": dict(enable=bool, folder=str, interval=int, keep_latest_k=int,  # torchtitan's names
                        initial_load_path=str, initial_load_in_hf=bool, last_save_in_hf=bool),
 }

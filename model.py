@@ -57,7 +57,7 @@ DECODER_LAYERS = {"positional": PositionalLlamaDecoderLayer, "stock": LlamaDecod
 
 def hf_config(model_cfg: dict) -> LlamaConfig:
     """[model] as transformers' `LlamaConfig`: for the model, its parameter count and the HF export."""
-    return LlamaConfig(**model_cfg, tie_word_embeddings=False, architectures=[LlamaForCausalLM.__name__])
+    return LlamaConfig(**model_cfg, architectures=[LlamaForCausalLM.__name__])
 
 
 def build_model(model_cfg: dict, decoder_layer: str = "positional") -> LlamaForCausalLM:
@@ -66,6 +66,8 @@ def build_model(model_cfg: dict, decoder_layer: str = "positional") -> LlamaForC
     model = LlamaForCausalLM(hf_config(model_cfg))
     for block in model.model.layers:
         block.__class__ = DECODER_LAYERS[decoder_layer]
+    # Device maps (from_pretrained(device_map=...)) keep whole only the layers named here, by class name.
+    model._no_split_modules.add(DECODER_LAYERS[decoder_layer].__name__)
     return model
 
 

@@ -34,7 +34,7 @@ def parallelize(model: LlamaForCausalLM, parallel_dims: ParallelDims | None, cfg
     dp_mesh = parallel_dims.get_optional_mesh("fsdp") if parallel_dims else None
     p, ac, comp, t = cfg["parallelism"], cfg["activation_checkpoint"], cfg["compile"], cfg["training"]
     if tp_mesh is not None:
-        apply_tp(model, tp_mesh, p["decoder_layer"], p["attention_gather"])
+        apply_tp(model, tp_mesh, p["decoder_layer"], p["attention_gather"], p["loss_parallel"])
     if ac["mode"] != "none":
         apply_ac(model, ac["mode"], ac["selective_ac_option"], comp["enable"])
     if comp["enable"]:
@@ -54,18 +54,22 @@ def build_parallel_dims(dp_shard: int, tp: int, device_type: str) -> ParallelDim
     return parallel_dims
 
 
-def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str, attention_gather: str) -> None:
+def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str, attention_gather: str,
+             loss_parallel: bool = False) -> None:
     """TP + sequence parallel: torchtitan's llama3 plan on HF names. Between blocks activations
     are Shard(1) (sequence); attention and MLP all-gather on entry and reduce-scatter on exit.
-    Logits come out replicated, so the loss is a plain cross entropy."""
+    Logits stay sharded on the vocabulary with `loss_parallel` (train.cross_entropy), else replicated."""
     require_layout(model)
     require_sdpa(model)
     plans = [block_plan(block, decoder_layer, attention_gather) for block in model.model.layers]  # may refuse
     parallelize_module(model, tp_mesh, {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                   use_local_output=not loss_parallel),
     })
+    if model.config.tie_word_embeddings:  # both weights Shard(0) on the vocabulary: one parameter again
+        model.lm_head.weight = model.model.embed_tokens.weight
     materialize_embedding_output(model.model.embed_tokens)
     for i, (block, plan) in enumerate(zip(model.model.layers, plans)):
         parallelize_module(block, tp_mesh, plan)
@@ -223,15 +227,18 @@ def apply_compile(model: LlamaForCausalLM, backend: str) -> None:
 def apply_fsdp(model: LlamaForCausalLM, dp_mesh: DeviceMesh, param_dtype: str, reduce_dtype: str) -> None:
     """FSDP2: torchtitan 0.2.2's `apply_fsdp` (no PP, "default" reshard) written out, since it
     hard-codes torchtitan's module names. The embedding, each block, final norm + lm_head as
-    one group (not resharded: backward needs them first), then the root. Gradients keep FSDP's
+    one group (not resharded: backward needs them first; tied, with the embedding), then the root. Gradients keep FSDP's
     average over the dp ranks, the global mean here (README, "Other launches")."""
     _silence_fsdp_view_output_warning()
     mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=getattr(torch, reduce_dtype))
     fsdp_config = {"mesh": dp_mesh, "mp_policy": mp_policy}
-    fully_shard(model.model.embed_tokens, **fsdp_config, reshard_after_forward=True)
+    tied = model.config.tie_word_embeddings  # a shared parameter belongs to one group (torchtitan's qwen3)
+    if not tied:
+        fully_shard(model.model.embed_tokens, **fsdp_config, reshard_after_forward=True)
     for block in model.model.layers:
         fully_shard(block, **fsdp_config, reshard_after_forward=True)
-    fully_shard([model.model.norm, model.lm_head], **fsdp_config, reshard_after_forward=False)
+    fully_shard([model.model.embed_tokens] * tied + [model.model.norm, model.lm_head], **fsdp_config,
+                reshard_after_forward=False)
     fully_shard(model, **fsdp_config)
 
 

@@ -2,10 +2,14 @@
 
 import resource
 import statistics
+import time
+import types
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torchtitan.models.utils import get_dense_model_nparams_and_flops
+from torchtitan.tools.utils import get_peak_flops
 
 
 def mesh_name(cfg: dict) -> str:
@@ -44,6 +48,40 @@ def gather_from_ranks(value) -> list:
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values
+
+
+def flops_per_token(model, cfg: dict) -> int:
+    """torchtitan's count, from its own function: 6 x non-embedding parameters + 6 x layers x
+    heads x (q/k + v head dims) x seq_len. Its `model.children()` are torchtitan's modules."""
+    m = cfg["model"]
+    as_titan = torch.nn.Sequential(model.model.embed_tokens, model.model.layers, model.model.norm, model.lm_head)
+    args = types.SimpleNamespace(n_layers=m["num_hidden_layers"], n_heads=m["num_attention_heads"],
+                                 enable_weight_tying=m["tie_word_embeddings"])
+    head_dims = 2 * m["hidden_size"] // m["num_attention_heads"]
+    return get_dense_model_nparams_and_flops(args, as_titan, head_dims, cfg["training"]["seq_len"])[1]
+
+
+def peak_flops(device: torch.device, cfg: dict) -> tuple[float, str] | None:
+    """(every rank's peak FLOP/s together, its source): torchtitan's table for a GPU; on CPU a
+    float32 matmul timed on all ranks at once (metrics.measure_cpu_peak), None without it."""
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = get_peak_flops(name)
+        return ranks * peak, f"{ranks} x {name}'s {peak / 1e12:.0f} TFLOP/s bf16 (torchtitan's table)"
+    if not cfg["metrics"]["measure_cpu_peak"]:
+        return None
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    for _ in range(3):
+        a @ b  # warm-up
+    if dist.is_initialized():
+        dist.barrier()  # every rank's core busy at once, as in training
+    start, n = time.perf_counter(), 0
+    while (elapsed := time.perf_counter() - start) < 1.0:
+        a @ b
+        n += 1
+    peaks = gather_from_ranks(2 * 1024**3 * n / elapsed)
+    return sum(peaks), f"a measured {ranks} x {statistics.mean(peaks) / 1e9:.0f} GFLOP/s CPU float32 matmul peak"
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -91,9 +129,13 @@ def describe_compile_caches(per_rank: list) -> str:
     return " | ".join(f"rank {r}: {text(c)}" for r, c in enumerate(per_rank))
 
 
-def log_summary(cfg: dict, run, held_out_loss: float | None, model, optimizer, device: torch.device, log) -> None:
-    """The summary block (README, "What a run prints"). `run` is train.train_loop's record."""
+def log_summary(cfg: dict, run, held_out_loss: float | None, model, optimizer, device: torch.device, log,
+                peak: tuple[float, str] | None = None) -> None:
+    """The summary block (README, "What a run prints"). `run` is train.train_loop's record,
+    `peak` peak_flops'."""
     steady = run.step_times[2:] or run.step_times[1:] or run.step_times
+    tokens_per_s = tokens_per_step(cfg) / statistics.median(steady)
+    flops = flops_per_token(model, cfg) * tokens_per_s
     first, last = run.steps[0], run.steps[-1]
     peaks = gather_from_ranks(peak_memory_mib(device))
     local_state, full_state = params_and_optimizer_mib(model, optimizer)
@@ -106,8 +148,9 @@ def log_summary(cfg: dict, run, held_out_loss: float | None, model, optimizer, d
     log(f"  mesh                 {mesh_name(cfg)}")
     log(f"  time to first step   {run.time_to_first_step:.1f} s")
     log(f"  compile caches       {describe_compile_caches(caches)}")
-    log(f"  steady tokens/s      {tokens_per_step(cfg) / statistics.median(steady):.0f} global "
-        f"(median of steps {last - len(steady) + 1}-{last})")
+    log(f"  steady tokens/s      {tokens_per_s:.0f} global (median of steps {last - len(steady) + 1}-{last})")
+    log(f"  TFLOPS, MFU          {flops / 1e12:.3f} TFLOP/s of model FLOPs"
+        + (f", MFU {flops / peak[0]:.0%} of {peak[1]}" if peak else " (no peak: metrics.measure_cpu_peak = false)"))
     log(f"  peak memory per rank {', '.join(f'{p:.0f}' for p in peaks)} MiB "
         f"({'max allocated' if device.type == 'cuda' else 'max RSS'})")
     log(f"  params + optimizer   {', '.join(f'{s:.1f}' for s in states)} MiB per rank, "

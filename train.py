@@ -23,6 +23,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.distributed.utils import clip_grad_norm_
 
 import checkpoint
@@ -40,6 +42,7 @@ def main() -> None:
     device = init_distributed(launch)
     try:
         log(report.run_line(cfg, launch.world_size, device))
+        peak = report.peak_flops(device, cfg)
         parallel_dims = build_mesh(cfg, launch.world_size, device)
         if cfg["parallelism"]["tp"] > 1:
             report.log_tp_groups(parallel_dims, launch.node, log)
@@ -60,7 +63,7 @@ def main() -> None:
         if ckpt["last_save_in_hf"]:
             checkpoint.save_hf(Path(ckpt["folder"]), t["steps"], model, cfg["model"], log)
         held_out_loss = evaluate(model, held_out, cfg, device, dp_mesh) if cfg["data"]["eval_batches"] else None
-        report.log_summary(cfg, run, held_out_loss, model, optimizer, device, log)
+        report.log_summary(cfg, run, held_out_loss, model, optimizer, device, log, peak)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -192,8 +195,15 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def vocab_parallel(logits: torch.Tensor):
+    """torch's loss_parallel() for logits sharded on the vocabulary (parallelism.loss_parallel),
+    around the loss and its backward; nothing for plain logits."""
+    return loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext()
+
+
 def global_mean(value: torch.Tensor, dp_mesh) -> float:
     """A per-rank scalar averaged over the dp ranks: with equal batches, the global-batch mean."""
+    value = value.full_tensor() if isinstance(value, DTensor) else value  # loss_parallel's replicated loss
     if dp_mesh is None:
         return value.item()
     value = value.detach().clone()
@@ -204,8 +214,10 @@ def global_mean(value: torch.Tensor, dp_mesh) -> float:
 def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forward_logits,
                dp_mesh=None) -> tuple[float, float]:
     """One forward/backward/update; returns (global-batch mean loss, grad norm before clipping)."""
-    loss = cross_entropy(forward(model, x), y)
-    loss.backward()
+    logits = forward(model, x)
+    with vocab_parallel(logits):
+        loss = cross_entropy(logits, y)
+        loss.backward()
     # torchtitan's clip_grad_norm_ reduces the norm of DTensor (TP/FSDP-sharded) gradients correctly.
     grad_norm = clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
@@ -279,7 +291,9 @@ def evaluate(model, data: torch.Tensor, cfg: dict, device: torch.device, dp_mesh
     with torch.compiler.set_stance("force_eager"):
         for _ in range(cfg["data"]["eval_batches"]):
             x, y = (z.to(device) for z in next(it))
-            losses.append(global_mean(cross_entropy(forward_logits(model, x), y), dp_mesh))
+            logits = forward_logits(model, x)
+            with vocab_parallel(logits):
+                losses.append(global_mean(cross_entropy(logits, y), dp_mesh))
     model.train()
     return sum(losses) / max(1, len(losses))
 
