@@ -187,7 +187,7 @@ def save_hf(folder: Path, step: int, model, model_cfg: dict, log) -> None:
     start = time.perf_counter()
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if model.config.tie_word_embeddings:
-        del weights["lm_head.weight"]  # as HF saves a tied model: from_pretrained ties it back
+        weights.pop("lm_head.weight", None)  # as HF saves a tied model (rank 0 holds the full weights)
     path = folder / f"step-{step}-hf"
     if is_rank0():
         tmp = path.with_name(path.name + ".tmp")

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 import parallelize
 import report
@@ -108,8 +109,9 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
     }
     # What the mixed-precision policy really does: lm_head's weight dtype inside forward (after
     # FSDP's unshard) and the dtype of the gradients FSDP reduce-scatters.
-    forward_dtypes, reduce_dtypes = set(), set()
+    forward_dtypes, reduce_dtypes, logits = set(), set(), set()
     model.lm_head.register_forward_pre_hook(lambda module, _: forward_dtypes.add(str(module.weight.dtype)))
+    model.lm_head.register_forward_hook(lambda module, _, out: logits.add(str(getattr(out, "placements", "tensor"))))
     # FSDP2 calls dist.reduce_scatter_single on torch 2.14, dist.reduce_scatter_tensor on 2.10.
     rs_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
     reduce_scatter = getattr(dist, rs_name)
@@ -131,6 +133,10 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
         result["error"] = f"{type(e).__name__}: {e}"
     setattr(dist, rs_name, reduce_scatter)
     result["forward_dtypes"], result["reduce_scatter_dtypes"] = sorted(forward_dtypes), sorted(reduce_dtypes)
+    result["logits"] = sorted(logits)  # "(Shard(dim=2),)" under loss parallel
+    embedding, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
+    result["tied"] = lm_head is embedding  # after the steps too: one parameter, updated once
+    result["equal_weights"] = torch.equal(*(w.full_tensor() if isinstance(w, DTensor) else w for w in (embedding, lm_head)))
     result["graphs"], result["recompiles"] = report.dynamo_compile_counts()
     result["recompile_reasons"] = [r for reasons in guard_failures.values() for r in reasons]
     return result

@@ -128,13 +128,16 @@ def attention_plan(attn: nn.Module) -> dict:
     if missing:
         raise PlanError(f"{type(attn).__name__} has no {', '.join(missing)} (it has {', '.join(children)}): "
                         "column-wise TP would split a fused projection across q, k and v")
+    if other := next((n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not isinstance(children[n], nn.Linear)), None):
+        raise PlanError(f"{type(attn).__name__}.{other} is a {type(children[other]).__name__}, not an nn.Linear: "
+                        "torch's TP styles shard nn.Linear")
     if reshape := _global_head_reshape(type(attn)):
         raise PlanError(f"{type(attn).__name__} reshapes with the global head count ({reshape}), "
                         "but TP leaves each rank 1/TP of the heads: its attention code needs a patch")
     plan = {f"self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
     plan["self_attn.o_proj"] = RowwiseParallel(output_layouts=Shard(1))
     for name, module in children.items():
-        if NORM.search(type(module).__name__):
+        if NORM.search(type(module).__name__) and getattr(module, "weight", None) is not None:  # else no gradient
             width = module.weight.shape[-1]
             if width != attn.head_dim:
                 raise PlanError(f"{type(attn).__name__}.{name} normalizes {width} features across heads "

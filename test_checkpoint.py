@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import HERE, _config_error_lines, _torchrun, free_port, small_config
 from config import ConfigError, validate
@@ -189,7 +190,8 @@ def loss_on_first_batch(data, seed):
     with torch.no_grad():
         return F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).item()
 
-print(json.dumps({"held_out": loss_on_first_batch(held_out, seed + 1), "first_batch": loss_on_first_batch(train, seed)}))
+print(json.dumps({"held_out": loss_on_first_batch(held_out, seed + 1), "first_batch": loss_on_first_batch(train, seed),
+                  "tied": model.lm_head.weight is model.model.embed_tokens.weight}))
 """
 
 
@@ -213,6 +215,47 @@ def test_hf_export_loads_in_stock_transformers_and_starts_a_new_run(tmp_root, tm
                      "--checkpoint.initial_load_path", str(full_folder / "step-20")])
     assert "loaded the DCP weights of" in out, out[-3000:]
     assert _step_losses(out)[1] == pytest.approx(stock["first_batch"], abs=1e-4)
+
+
+def _stock_hf(folder: Path) -> dict:
+    """HF_CHECK's numbers for `folder`, in a process with no project code."""
+    proc = subprocess.run([sys.executable, "-c", HF_CHECK, str(folder)], capture_output=True, text=True,
+                          timeout=300, cwd=folder.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_tied_hf_folder_from_stock_transformers_trains_and_exports_tied(tmp_path):
+    """Llama 3.2's layout: tie_word_embeddings = true and no lm_head.weight in the safetensors."""
+    from safetensors import safe_open
+    from transformers import LlamaForCausalLM
+
+    from model import hf_config
+
+    cfg = small_config(**{"model.num_hidden_layers": 2, "model.tie_word_embeddings": True})
+    stock_folder = tmp_path / "stock-tied"
+    torch.manual_seed(0)
+    LlamaForCausalLM(hf_config(cfg["model"])).save_pretrained(stock_folder)
+    with safe_open(stock_folder / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    stock = _stock_hf(stock_folder)
+    assert stock["tied"]
+    folder = tmp_path / "run"
+    out = _train(2, [*SMALL, "--model.tie_word_embeddings", "true", "--training.steps", "1", "--checkpoint.enable",
+                     "true", "--checkpoint.folder", str(folder), "--checkpoint.initial_load_path", str(stock_folder),
+                     "--checkpoint.initial_load_in_hf", "true", "--checkpoint.last_save_in_hf", "true"])
+    assert _step_losses(out)[1] == pytest.approx(stock["first_batch"], abs=1e-5)
+    export = folder / "step-1-hf"
+    with safe_open(export / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    exported = _stock_hf(export)
+    assert exported["tied"], "stock transformers loads the export untied"
+    assert exported["held_out"] == pytest.approx(float(out.split("(held-out ")[1].split(")")[0]), abs=1e-4)
+    # An untied [model] names the difference in one line.
+    with pytest.raises(ConfigError, match="config.json has tie_word_embeddings = True, \\[model\\] has False"):
+        validate(small_config(**{"model.num_hidden_layers": 2, "checkpoint.enable": True,
+                                 "checkpoint.initial_load_path": str(stock_folder),
+                                 "checkpoint.initial_load_in_hf": True}), world_size=2)
 
 
 def test_bad_checkpoint_input_is_one_line(tmp_root, tmp_path):

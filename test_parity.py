@@ -120,3 +120,49 @@ def test_gradient_norms_are_equal_on_every_mesh_and_plan(tmp_root):
         single = run_one(**batch)["grad_norms"]
         assert r["grad_norms"][0] == pytest.approx(single[0], rel=1e-4), f"step 1: {name} vs one process"
         assert r["grad_norms"] == pytest.approx(single, rel=1e-4), f"{name} vs one process"
+
+
+def test_summary_flops_per_token_are_torchtitans_for_the_debugmodel():
+    import report
+
+    cfg = default_config()
+    torch.manual_seed(0)
+    hf = build_model(cfg["model"])
+    titan = titan_from_hf(hf, cfg["training"]["seq_len"])
+    _, titan_flops = titan.model_args.get_nparams_and_flops(titan, cfg["training"]["seq_len"])
+    assert report.flops_per_token(hf, cfg) == titan_flops == 38_555_136  # torchtitan's function on HF's model
+
+
+LOSS_PARALLEL_OFF = {"parallelism.loss_parallel": False}
+
+
+def test_loss_parallel_keeps_logits_sharded_with_the_replicated_numbers(tmp_root):
+    """On by default, as in torchtitan: lm_head's output stays Shard(2) on the vocabulary, and
+    losses and gradient norms are those of replicated logits and of one process."""
+    sharded, replicated = run_tp(tmp_root), run_tp(tmp_root, **LOSS_PARALLEL_OFF)
+    assert sharded["error"] is None and replicated["error"] is None
+    assert sharded["logits"] == ["(Shard(dim=2),)"] and replicated["logits"] == ["tensor"]
+    assert (sharded["graphs"], sharded["recompiles"]) == (1, 0)
+    assert sharded["losses"] == pytest.approx(replicated["losses"], abs=1e-5)
+    assert sharded["grad_norms"] == pytest.approx(replicated["grad_norms"], rel=1e-5)
+    assert sharded["losses"] == pytest.approx(run_one()["losses"], abs=1e-5)
+
+
+TIED = {"model.tie_word_embeddings": True}
+
+
+def test_tied_embeddings_share_one_parameter_on_every_mesh_with_the_one_process_numbers(tmp_root):
+    """lm_head and the embedding stay one parameter through TP and FSDP (Llama 3.2's tying).
+    Gradient norms to 1e-4: one process's float32 norm of the 2048 x 256 gradient is itself 7e-5
+    from float64 (TP's two halves: 4e-5)."""
+    single = run_one(**TIED, **GLOBAL_BATCH)
+    for name, r in (("TP 2", run_tp(tmp_root, **TIED, **GLOBAL_BATCH)), ("dp_shard 2 x tp 2", run_2d(tmp_root, **TIED))):
+        assert r["error"] is None, (name, r["error"])
+        assert r["tied"] and r["equal_weights"], f"{name}: lm_head is no longer the embedding"
+        assert (r["graphs"], r["recompiles"]) == (1, 0), name
+        assert r["losses"] == pytest.approx(single["losses"], abs=1e-5), name
+        assert r["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4), name
+    assert single["tied"]
+    untied = run_one(**GLOBAL_BATCH)
+    assert not untied["tied"] and not untied["equal_weights"]
+    assert abs(untied["losses"][0] - single["losses"][0]) > 1e-2, "tying changes the model"

@@ -11,6 +11,7 @@ import inspect
 import json
 import os
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -329,6 +330,28 @@ def test_vendored_layer_follows_installed_transformers():
         f"({inspect.getsourcefile(LlamaDecoderLayer)}): copy its new body into "
         "model.PositionalLlamaDecoderLayer.forward and pass hidden_states to self.self_attn positionally"
     )
+
+
+def test_device_maps_keep_each_vendored_layer_whole():
+    """transformers' device maps (from_pretrained(device_map=...)) keep whole only the layer
+    classes named in `_no_split_modules`, by class name; build_model adds the vendored one."""
+    from transformers.integrations.accelerate import compute_module_sizes, infer_auto_device_map
+
+    with torch.device("meta"):
+        model = build_model(small_config()["model"])
+    size = compute_module_sizes(model)[0][""]
+    max_memory = {0: int(0.55 * size), "cpu": 10 * size}  # two devices: the layers must be split between them
+
+    def split_layers(no_split: set) -> list[str]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Device 0 is not available" on a CPU machine
+            device_map = infer_auto_device_map(model, max_memory=max_memory, no_split_module_classes=no_split)
+        assert set(device_map.values()) == {0, "cpu"}
+        return [name for name in device_map if name.startswith("model.layers.") and name.count(".") > 2]
+
+    assert "PositionalLlamaDecoderLayer" in model._no_split_modules
+    assert split_layers(model._no_split_modules) == []
+    assert split_layers({"LlamaDecoderLayer"}) != [], "HF's own list alone splits a vendored layer"
 
 
 # the trainer itself --------------------------------------------------------
