@@ -103,12 +103,14 @@ def worker(variant: str, args) -> None:
     import config
     import report
     import train
+    from model import build_model
 
     launch = train.launch_env()
     device = train.init_distributed(launch)
     cfg = variant_config(variant, args)
     config.validate(cfg, launch.world_size)
     t = cfg["training"]
+    peak = report.peak_flops(device, cfg)
     data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
     if variant == "titan":
         model, optimizer, scheduler = build_titan(cfg, device)
@@ -121,9 +123,12 @@ def worker(variant: str, args) -> None:
                            rank=launch.rank, log=lambda *a: None, forward=forward, t_start=T_START)
     peaks = report.gather_from_ranks(report.peak_memory_mib(device))
     graphs, recompiles = report.dynamo_compile_counts()
+    with torch.device("meta"):  # every variant is the same model: torchtitan's count for it
+        flops = report.flops_per_token(build_model(cfg["model"]), cfg)
     if launch.rank == 0:
-        result = dict(variant=variant, time_to_first_step=run.time_to_first_step,
-                      tokens_per_s=report.tokens_per_step(cfg) / statistics.median(run.step_times[2:]),
+        tokens_per_s = report.tokens_per_step(cfg) / statistics.median(run.step_times[2:])
+        result = dict(variant=variant, time_to_first_step=run.time_to_first_step, tokens_per_s=tokens_per_s,
+                      mfu=flops * tokens_per_s / peak[0], peak=peak[1],
                       peak_mib=peaks, graphs=graphs, recompiles=recompiles,
                       first_loss=run.losses[0], last_loss=run.losses[-1])
         print(RESULT_TAG + json.dumps(result), flush=True)
@@ -163,6 +168,7 @@ def summarize(cold: dict, warm: list[dict]) -> dict:
     return dict(cold_ttfs=cold["time_to_first_step"],
                 warm_ttfs=statistics.median(r["time_to_first_step"] for r in warm) if warm else None,
                 tokens_per_s=statistics.median(r["tokens_per_s"] for r in runs),
+                mfu=statistics.median(r["mfu"] for r in runs), peak=cold["peak"],
                 peak_mib=max(max(r["peak_mib"]) for r in runs), graphs=cold["graphs"],
                 recompiles=cold["recompiles"], first_loss=cold["first_loss"], last_loss=cold["last_loss"])
 
@@ -176,17 +182,19 @@ def print_table(rows: dict, args) -> None:
           f"batch {args.batch}, "
           f"seq {args.seq_len}, {args.steps} steps, {args.warm_rounds} warm round(s); torch {torch.__version__}, "
           f"torchtitan {torchtitan.__version__}, transformers {transformers.__version__}")
-    print("| variant | first step cold (s) | first step warm (s) | steady tokens/s | vs titan | "
+    peaks = {r["peak"] for r in rows.values() if "peak" in r}
+    print(f"MFU of {', '.join(sorted(peaks))}")
+    print("| variant | first step cold (s) | first step warm (s) | steady tokens/s | vs titan | MFU | "
           "peak MiB/rank | graphs | recompiles | loss first -> last |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     titan = rows.get("titan")
     for name, r in rows.items():
         if "error" in r:
-            print(f"| {name} | failed: {r['error'][:200]} |||||||")
+            print(f"| {name} | failed: {r['error'][:200]} ||||||||")
             continue
         ratio = f"{r['tokens_per_s'] / titan['tokens_per_s']:.2f}x" if titan and "error" not in titan else "-"
         warm = f"{r['warm_ttfs']:.1f}" if r["warm_ttfs"] is not None else "-"
-        print(f"| {name} | {r['cold_ttfs']:.1f} | {warm} | {r['tokens_per_s']:.0f} | {ratio} | "
+        print(f"| {name} | {r['cold_ttfs']:.1f} | {warm} | {r['tokens_per_s']:.0f} | {ratio} | {r['mfu']:.0%} | "
               f"{r['peak_mib']:.0f} | {r['graphs']} | {r['recompiles']} | "
               f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
 

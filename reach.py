@@ -77,7 +77,14 @@ def build_family(family: str, model_cfg: dict, kv_heads: int = 8):
                  num_key_value_heads=kv_heads, head_dim=model_cfg["hidden_size"] // heads,
                  vocab_size=model_cfg["vocab_size"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
                  use_cache=False, tie_word_embeddings=False)
-    config = AutoConfig.for_model(family, **sizes)
+    try:
+        config = AutoConfig.for_model(family, **sizes)
+    except Exception:  # zamba2: per-layer lists sized for its default depth; keep their last n entries
+        defaults = AutoConfig.for_model(family).to_dict()
+        n, n_default = model_cfg["num_hidden_layers"], defaults.get("num_hidden_layers")
+        per_layer = {key: [sizes[key]] * n if key in sizes else value[-n:]
+                     for key, value in defaults.items() if isinstance(value, list) and len(value) == n_default}
+        config = AutoConfig.for_model(family, **{**sizes, **per_layer})
     for key, value in config.to_dict().items():
         if "dropout" in key and isinstance(value, float):
             setattr(config, key, 0.0)  # or the comparison with one process measures random masks

@@ -3,6 +3,7 @@ alone, fail_on_recompile, and the bfloat16 policy."""
 
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,8 @@ def test_torchrun_trains_with_one_graph_and_falling_loss():
     assert "recompiles           0" in out, out
     losses = _losses(out)
     assert losses[-1] < losses[0] - 0.5, losses
+    mfu = re.search(r"MFU (\d+)% of a measured 2 x (\d+) GFLOP/s CPU float32 matmul peak", out)
+    assert mfu and 0 < int(mfu[1]) <= 100 and int(mfu[2]) > 0, out
 
 
 def test_two_nodes_keep_every_tp_group_inside_one_node():
@@ -66,9 +69,11 @@ def test_bench_reports_one_graph_and_the_same_losses_for_patched_and_torchtitan_
             for line in proc.stdout.splitlines() if line.startswith(("| patched", "| titan")))}
     assert rows.keys() == {"patched", "titan"}, proc.stdout
     for name, cells in rows.items():
-        assert cells[6:8] == ["1", "0"], f"{name}: graphs/recompiles {cells[6:8]}\n{proc.stdout}"
+        assert cells[7:9] == ["1", "0"], f"{name}: graphs/recompiles {cells[7:9]}\n{proc.stdout}"
+        assert 0 < int(cells[5].rstrip("%")) <= 100, f"{name}: MFU {cells[5]}"
+    assert "MFU of a measured 2 x " in proc.stdout, proc.stdout
     # torchtitan's model starts from patched's weights (bench.titan_from_hf): the same losses.
-    assert rows["titan"][8] == rows["patched"][8], proc.stdout
+    assert rows["titan"][9] == rows["patched"][9], proc.stdout
 
 
 # checkpoints: kill -9 and resume, an unfinished save, another mesh, HF out and in --------
