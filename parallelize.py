@@ -64,7 +64,7 @@ def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str, a
     plans = [block_plan(block, decoder_layer, attention_gather) for block in model.model.layers]  # may refuse
     parallelize_module(model, tp_mesh, {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "model.norm": SequenceParallel(),
+        "model.norm": SequenceParallel(use_local_output=True),  # nanochat runs it before the blocks too
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                    use_local_output=not loss_parallel),
     })

@@ -26,6 +26,11 @@ CAUSES = {
     "smollm3": "two kinds of block: every 4th layer has no RoPE (NoPE)",
     "exaone4": "post-norm blocks; the kwargs plan's 2 graphs are its sliding and full attention layers",
     "apertus": "its MLP's xIELU activation has parameters, fed the column-sharded features",
+    "cohere_compass_text": "the builder's limit: its default config has no RoPE parameters for its layer type, "
+                           "so the model does not build at any size",
+    "gemma3n_text": "the builder's limit: its KV-sharing layers do not fit 4 blocks",
+    "gemma4_unified_text": "Dynamo refuses its cross-layer KV sharing (a dict written inside the checkpointed "
+                           "attention) under AC + compile, with either plan; the plan cannot see it",
     "starcoder2": "on 2.10.0 step 1's gradient norm is equal to 8.8e-6 and step 3's off by 3.3e-4 in eager "
                   "TP too: rounding that AdamW's first updates amplify, not a missing reduction",
 }
@@ -183,11 +188,14 @@ def summarize(row: dict) -> dict:
     """The table's cells for one torch: graphs, recompiles, the largest loss and gradient-norm
     differences from one process, the kwargs plan's graphs, and the first error."""
     b, kwargs, single = row["recipe_b"], row["kwargs"], row["single"]
+    kwargs_error = kwargs.get("error") or ""
     cells = {"graphs": b.get("graphs", "-"), "recompiles": b.get("recompiles", "-"), "loss": "-", "grad": "-",
-             "kwargs": kwargs.get("graphs", "-") if not kwargs.get("error") else "refused"}
+             "kwargs": kwargs.get("graphs", "-") if not kwargs_error else
+             "refused" if kwargs_error.startswith("PlanError") else "-"}
     if kwargs.get("error") and "recompile_limit" in kwargs["error"]:
         cells["kwargs"] = f"{kwargs['graphs']}, limit hit"
     error = b.get("error") or single.get("error")
+    error = error and error.strip().splitlines()[0][:300]  # run_training keeps Dynamo's whole message
     if not error and len(b["losses"]) == len(single["losses"]):
         cells["loss"] = max(abs(x - y) for x, y in zip(b["losses"], single["losses"]))
         cells["grad"] = max(abs(x - y) / y for x, y in zip(b["grad_norms"], single["grad_norms"]))

@@ -53,10 +53,9 @@ def gather_from_ranks(value) -> list:
 def flops_per_token(model, cfg: dict) -> int:
     """torchtitan's count, from its own function: 6 x non-embedding parameters + 6 x layers x
     heads x (q/k + v head dims) x seq_len. Its `model.children()` are torchtitan's modules."""
-    m = cfg["model"]
-    as_titan = torch.nn.Sequential(model.model.embed_tokens, model.model.layers, model.model.norm, model.lm_head)
-    args = types.SimpleNamespace(n_layers=m["num_hidden_layers"], n_heads=m["num_attention_heads"],
-                                 enable_weight_tying=m["tie_word_embeddings"])
+    m, inner = cfg["model"], model.model
+    as_titan = torch.nn.Sequential(inner.embed_tokens, inner.layers, inner.norm, model.lm_head)
+    args = types.SimpleNamespace(n_layers=m["num_hidden_layers"], n_heads=m["num_attention_heads"])  # FLOPs: no tying
     head_dims = 2 * m["hidden_size"] // m["num_attention_heads"]
     return get_dense_model_nparams_and_flops(args, as_titan, head_dims, cfg["training"]["seq_len"])[1]
 
@@ -66,19 +65,17 @@ def peak_flops(device: torch.device, cfg: dict) -> tuple[float, str] | None:
     float32 matmul timed on all ranks at once (metrics.measure_cpu_peak), None without it."""
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        peak = get_peak_flops(name)
+        name, peak = torch.cuda.get_device_name(device), get_peak_flops(torch.cuda.get_device_name(device))
         return ranks * peak, f"{ranks} x {name}'s {peak / 1e12:.0f} TFLOP/s bf16 (torchtitan's table)"
     if not cfg["metrics"]["measure_cpu_peak"]:
         return None
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    for _ in range(3):
-        a @ b  # warm-up
+    a, n = torch.randn(1024, 1024), 0
+    [a @ a for _ in range(3)]  # warm-up
     if dist.is_initialized():
         dist.barrier()  # every rank's core busy at once, as in training
-    start, n = time.perf_counter(), 0
+    start = time.perf_counter()
     while (elapsed := time.perf_counter() - start) < 1.0:
-        a @ b
+        a @ a
         n += 1
     peaks = gather_from_ranks(2 * 1024**3 * n / elapsed)
     return sum(peaks), f"a measured {ranks} x {statistics.mean(peaks) / 1e9:.0f} GFLOP/s CPU float32 matmul peak"

@@ -196,8 +196,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def vocab_parallel(logits: torch.Tensor):
-    """torch's loss_parallel() for logits sharded on the vocabulary (parallelism.loss_parallel),
-    around the loss and its backward; nothing for plain logits."""
+    """torch's loss_parallel(), around the loss and its backward, for vocabulary-sharded logits."""
     return loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext()
 
 
