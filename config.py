@@ -219,6 +219,7 @@ def check_checkpoint(c: dict, model_cfg: dict) -> None:
             "checkpoint.initial_load_in_hf = true needs checkpoint.initial_load_path")
     if not c["enable"]:
         return
+    require(c["folder"].strip() != "", "checkpoint.folder is empty: name a folder for the step-N/ checkpoints")
     folder = Path(c["folder"])
     require(not folder.exists() or folder.is_dir(), f"checkpoint.folder = {c['folder']!r} is a file, not a folder")
     if c["initial_load_path"]:
