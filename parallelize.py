@@ -58,7 +58,7 @@ def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str, a
              loss_parallel: bool = False) -> None:
     """TP + sequence parallel: torchtitan's llama3 plan on HF names. Between blocks activations
     are Shard(1) (sequence); attention and MLP all-gather on entry and reduce-scatter on exit.
-    Logits stay sharded on the vocabulary with `loss_parallel` (train.cross_entropy), else replicated."""
+    Logits stay sharded on the vocabulary with `loss_parallel` (train.vocab_parallel), else replicated."""
     require_layout(model)
     require_sdpa(model)
     plans = [block_plan(block, decoder_layer, attention_gather) for block in model.model.layers]  # may refuse

@@ -65,7 +65,8 @@ def peak_flops(device: torch.device, cfg: dict) -> tuple[float, str] | None:
     float32 matmul timed on all ranks at once (metrics.measure_cpu_peak), None without it."""
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     if device.type == "cuda":
-        name, peak = torch.cuda.get_device_name(device), get_peak_flops(torch.cuda.get_device_name(device))
+        name = torch.cuda.get_device_name(device)
+        peak = get_peak_flops(name)
         return ranks * peak, f"{ranks} x {name}'s {peak / 1e12:.0f} TFLOP/s bf16 (torchtitan's table)"
     if not cfg["metrics"]["measure_cpu_peak"]:
         return None
