@@ -85,7 +85,7 @@ def build_titan(cfg: dict, device):
     model = titan_from_hf(build_model(cfg["model"]), t["seq_len"]).to(device)
     tp = cfg["parallelism"]["tp"]
     if tp > 1:
-        tp_mesh = build_parallel_dims(1, tp, device.type).get_mesh("tp")
+        tp_mesh = build_parallel_dims(cfg, tp, device.type).get_mesh("tp")
         apply_tp(model, tp_mesh, loss_parallel=cfg["parallelism"]["loss_parallel"], enable_float8_tensorwise_tp=False)
         # torchtitan's own model hits the same AsyncCollectiveTensor backward failure on torch 2.14.1.
         materialize_embedding_output(model.tok_embeddings)
@@ -101,6 +101,7 @@ def worker(variant: str, args) -> None:
     import torch.distributed as dist
 
     import config
+    import parallelize
     import report
     import train
     from model import build_model
@@ -116,7 +117,7 @@ def worker(variant: str, args) -> None:
         model, optimizer, scheduler = build_titan(cfg, device)
         forward = lambda model, x: model(x)  # noqa: E731
     else:
-        model, optimizer, scheduler = train.build_training(cfg, device, train.build_mesh(cfg, launch.world_size, device))
+        model, optimizer, scheduler = train.build_training(cfg, device, parallelize.build_parallel_dims(cfg, launch.world_size, device.type))
         forward = train.forward_logits
     batches = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
     run = train.train_loop(model, optimizer, scheduler, batches, range(1, t["steps"] + 1), cfg, device,

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -26,6 +27,10 @@ from model import hf_config
 
 MARKER = "complete.json"
 STEP_DIR = re.compile(r"step-(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    """A save or a resume that cannot go on; train.py exits with its one line."""
 
 
 def is_rank0() -> bool:
@@ -62,11 +67,16 @@ def checkpoint_state(path: Path) -> str:
     return "complete" if files and sizes == files else "incomplete"
 
 
-def write_marker(path: Path, step: int) -> None:
+def write_marker(path: Path, step: int) -> str | None:
+    """None once the marker is written; else why not (OSError's words)."""
     files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
     tmp = path / (MARKER + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
-    os.replace(tmp, path / MARKER)  # atomic: the marker is there whole or not at all
+    try:
+        tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
+        os.replace(tmp, path / MARKER)  # atomic: the marker is there whole or not at all
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 # -----------------------------------------------------------------------------
@@ -81,21 +91,41 @@ def training_state(model, optimizer, scheduler, generator: torch.Generator, step
 
 def save(folder: Path, step: int, keep_latest_k: int, model, optimizer, scheduler, generator, log) -> None:
     """DCP save on every rank, then rank 0's marker, then old checkpoints pruned: a checkpoint
-    is removed only once a newer one is complete."""
+    is removed only once a newer one is complete. A failed save (a full disk) is removed and
+    raised as CheckpointError on every rank."""
     start = time.perf_counter()
     path = folder / f"step-{step}"
     if is_rank0():
         shutil.rmtree(path, ignore_errors=True)  # an earlier, unfinished save of this step
     if dist.is_initialized():
         dist.barrier()
-    # dcp.save returns once rank 0 wrote .metadata, which it does after every rank's shards are written.
-    dcp.save(training_state(model, optimizer, scheduler, generator, step), checkpoint_id=path)
-    removed = []
-    if is_rank0():
-        write_marker(path, step)
-        removed = prune(folder, step, keep_latest_k)
+    try:
+        # dcp.save returns once rank 0 wrote .metadata, after every rank's shards; it raises on every rank.
+        dcp.save(training_state(model, optimizer, scheduler, generator, step), checkpoint_id=path)
+        failure = decided_on_rank0(lambda: write_marker(path, step))
+    except (OSError, CheckpointException) as e:
+        failure = decided_on_rank0(lambda: why_save_failed(e, path))
+    if failure:
+        if is_rank0():
+            shutil.rmtree(path, ignore_errors=True)  # known garbage: its space comes back
+        last = latest_complete(folder, lambda *_: None)  # for rank 0's line
+        raise CheckpointError(f"step {step}: saving {path} failed: {failure}; "
+                              + (f"{last[1]} stays the last complete checkpoint" if last else "no complete checkpoint"))
+    removed = prune(folder, step, keep_latest_k) if is_rank0() else []
     log(f"checkpoint: saved step {step} to {path} in {time.perf_counter() - start:.1f} s"
         + (f" (removed {', '.join(removed)})" if removed else ""))
+
+
+def why_save_failed(error: BaseException, path: Path) -> str:
+    """An OSError's words, from DCP's CheckpointException (every rank's error) or a cause. A full
+    disk in torch.save's zip writer has none ("unexpected pos 704 vs 598"): then the free space."""
+    errors = [error, *(wrapped[0] for wrapped in getattr(error, "failures", {}).values())]
+    errors += [e.__context__ for e in errors if e.__context__ is not None]
+    if found := next((e for e in errors if isinstance(e, OSError) and e.strerror), None):
+        return found.strerror
+    first = f"{type(errors[-1]).__name__}: {str(errors[-1]).strip().splitlines()[0]}"
+    free = shutil.disk_usage(path.parent).free / 2**20
+    return f"No space left on device ({free:.0f} MiB free; {first})" if free < 1 else f"{first} ({free:,.0f} MiB free)"
 
 
 def prune(folder: Path, newest: int, keep_latest_k: int) -> list[str]:
@@ -119,6 +149,7 @@ def resume(ckpt: dict, model, optimizer, scheduler, generator, log) -> int:
     if latest is not None:
         step, path = latest
         state = training_state(model, optimizer, scheduler, generator, step)
+        require_same_model(path, state["model"])
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         scheduler.load_state_dict(state["train"]["scheduler"])
@@ -157,9 +188,22 @@ def decided_on_rank0(decide):
     return answer[0]
 
 
+def require_same_model(path: Path, model_state: dict) -> None:
+    """Every tensor's global shape in the checkpoint's metadata against the model's, on rank 0:
+    a changed [model] is one line, not DCP's size-mismatch traceback on every rank."""
+    def mismatch():
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        have = {k.removeprefix("model."): list(v.size) for k, v in saved.items() if k.startswith("model.")}
+        return shapes_mismatch(have, {k: list(v.shape) for k, v in model_state.items()})
+    if problem := decided_on_rank0(mismatch):
+        raise CheckpointError(f"{path} was written for another [model]: {problem}; resume with the [model] "
+                              "it was written with, or use another checkpoint.folder")
+
+
 def load_dcp_weights(model, path: Path) -> None:
     """The model part of another run's DCP checkpoint (optimizer and schedule start fresh)."""
     state = {"model": get_model_state_dict(model)}
+    require_same_model(path, state["model"])
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, state["model"])
 
@@ -182,21 +226,35 @@ def load_hf_weights(model, path: Path) -> None:
 def save_hf(folder: Path, step: int, model, model_cfg: dict, log) -> None:
     """Rank 0 writes the full weights as a folder that stock `LlamaForCausalLM.from_pretrained`
     loads: config.json + model.safetensors. Every rank takes part in gathering them."""
-    from safetensors.torch import save_file
-
     start = time.perf_counter()
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if model.config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # as HF saves a tied model (rank 0 holds the full weights)
     path = folder / f"step-{step}-hf"
-    if is_rank0():
-        tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+    failure = decided_on_rank0(lambda: write_hf(path, weights, model_cfg))
+    if failure:
+        raise CheckpointError(f"step {step}: writing the HF weights to {path} failed: {failure}; "
+                              f"{folder / f'step-{step}'} is complete")
+    log(f"checkpoint: wrote the HF weights of step {step} to {path} in {time.perf_counter() - start:.1f} s")
+
+
+def write_hf(path: Path, weights: dict, model_cfg: dict) -> str | None:
+    """Into path.tmp, then renamed: None, or why it failed (the unfinished folder removed)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
         hf_config(model_cfg).save_pretrained(tmp)
         save_file({k: v.contiguous() for k, v in weights.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-    log(f"checkpoint: wrote the HF weights of step {step} to {path} in {time.perf_counter() - start:.1f} s")
+    except (OSError, SafetensorError) as e:
+        failure = why_save_failed(e, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return failure
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return None
 
 
 def hf_folder_mismatch(path: Path, model_cfg: dict) -> str | None:
@@ -228,6 +286,11 @@ def hf_shapes_mismatch(path: Path, model_cfg: dict) -> str | None:
     for file in files:
         with safe_open(file, "pt") as f:
             have.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
+    return shapes_mismatch(have, want)
+
+
+def shapes_mismatch(have: dict, want: dict) -> str | None:
+    """The first difference between two {name: shape}s, "there" (have) and for [model] (want)."""
     missing, unexpected = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
     if missing or unexpected:
         return f"tensors missing ({', '.join(missing[:3]) or 'none'}) or unexpected ({', '.join(unexpected[:3]) or 'none'})"

@@ -3,6 +3,7 @@ all made before any process group starts, so a bad value stops the run with one 
 
 import math
 import os
+import shutil
 import tomllib
 from pathlib import Path
 
@@ -238,6 +239,23 @@ def prepare_checkpoint_folder(c: dict) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"checkpoint.folder = {c['folder']!r} cannot be created or written: {e.strerror or e}") from None
+
+
+def check_checkpoint_space(c: dict, model_cfg: dict) -> str | None:
+    """Rank 0's step after prepare_checkpoint_folder. One checkpoint is the parameters and AdamW's
+    two moments, 12 bytes per parameter in float32, + 1% + 1 MiB: no room for one is an error, no
+    room for those on disk while a save replaces the oldest kept (keep_latest_k + 1, or 2) a warning."""
+    if not c["enable"]:
+        return None
+    one, free = 12.12 * count_parameters(model_cfg) + 2**20, shutil.disk_usage(c["folder"]).free
+    kept, mib = c["keep_latest_k"] + 1 if c["keep_latest_k"] else 2, lambda n: f"{n / 2**20:,.0f} MiB"
+    require(free >= one, f"checkpoint.folder = {c['folder']!r} has {mib(free)} free, less than one checkpoint of "
+            f"[model] ({mib(one)}: 12 bytes per parameter for the weights and AdamW's two moments)")
+    if free < kept * one:
+        return (f"warning: checkpoint.folder = {c['folder']!r} has {mib(free)} free, room for {int(free // one)} "
+                f"checkpoint(s) of {mib(one)}, not the {kept} that keep_latest_k = {c['keep_latest_k']} needs "
+                "during a save: that save will fail")
+    return None
 
 
 def check_initial_load(c: dict, model_cfg: dict) -> None:

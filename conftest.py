@@ -2,7 +2,7 @@
 builders, torchrun launches, and the `recompile_proof` marker.
 
 Multi-rank cases run gloo ranks on CPU (torch.multiprocessing.spawn): 2 for TP, 4 for
-dp_shard 2 x tp 2, through the real builders: train.build_mesh, train.build_training
+dp_shard 2 x tp 2, through the real builders: parallelize.build_parallel_dims, train.build_training
 (model.py + parallelize.py) and train.train_step. Compile counts are read from Dynamo itself
 (report.dynamo_compile_counts).
 """
@@ -86,7 +86,7 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
     validate(cfg, world_size)
     data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
     t = cfg["training"]
-    parallel_dims = train.build_mesh(cfg, world_size, device)
+    parallel_dims = parallelize.build_parallel_dims(cfg, world_size, device.type)
     dp_mesh = parallel_dims.get_optional_mesh("batch") if parallel_dims else None
     if arch == "llama":
         model, optimizer, scheduler = train.build_training(cfg, device, parallel_dims)

@@ -43,9 +43,12 @@ def parallelize(model: LlamaForCausalLM, parallel_dims: ParallelDims | None, cfg
         apply_fsdp(model, dp_mesh, t["mixed_precision_param"], t["mixed_precision_reduce"])
 
 
-def build_parallel_dims(dp_shard: int, tp: int, device_type: str) -> ParallelDims:
-    """The (dp_shard, tp) mesh of torchtitan's `ParallelDims`, TP innermost: a TP group is
-    neighbouring ranks, one node's GPUs when tp = GPUs per node."""
+def build_parallel_dims(cfg: dict, world_size: int, device_type: str) -> ParallelDims | None:
+    """[parallelism]'s (dp_shard, tp) mesh as torchtitan's `ParallelDims`, None for one process.
+    TP innermost: a TP group is neighbouring ranks, one node's GPUs when tp = GPUs per node."""
+    if world_size == 1:
+        return None
+    dp_shard, tp = cfg["parallelism"]["dp_shard"], cfg["parallelism"]["tp"]
     _set_titan_mesh_device_type(device_type)
     keep_device_mesh_hash_out_of_pickles()
     parallel_dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1, etp=1,

@@ -307,6 +307,7 @@ def _resume_main(rank: int, port: int, folder: str, out: str) -> None:
     import torch.distributed as dist
 
     import checkpoint
+    import parallelize
     import train
     from conftest import small_config
     from config import validate
@@ -320,7 +321,7 @@ def _resume_main(rank: int, port: int, folder: str, out: str) -> None:
     cfg = small_config(**{"model.num_hidden_layers": 2, "compile.enable": False, "checkpoint.enable": True,
                           "checkpoint.folder": folder})
     validate(cfg, 2)
-    model, optimizer, scheduler = train.build_training(cfg, torch.device("cpu"), train.build_mesh(cfg, 2, torch.device("cpu")))
+    model, optimizer, scheduler = train.build_training(cfg, torch.device("cpu"), parallelize.build_parallel_dims(cfg, 2, "cpu"))
     step = checkpoint.resume(cfg["checkpoint"], model, optimizer, scheduler, torch.Generator(), lambda *a: None)
     steps = [None, None]
     dist.all_gather_object(steps, step)

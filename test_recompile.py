@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+import parallelize
 import train
 from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, free_port, run_2d, run_tp, run_training,
                       small_config)
@@ -139,7 +140,7 @@ def _comm_counts_main(rank: int, port: int, out: str) -> None:
         cfg = small_config(**{"model.num_hidden_layers": 2, "compile.enable": False, "activation_checkpoint.mode": "none",
                               "parallelism.decoder_layer": layer, "parallelism.attention_gather": gather})
         validate(cfg, TP)
-        model = train.build_training(cfg, torch.device("cpu"), train.build_mesh(cfg, TP, torch.device("cpu")))[0]
+        model = train.build_training(cfg, torch.device("cpu"), parallelize.build_parallel_dims(cfg, TP, "cpu"))[0]
         with CommDebugMode() as comm:
             forward_logits(model, torch.randint(0, 256, (2, 64))).sum().backward()
         counts[gather] = {str(op): n for op, n in comm.get_comm_counts().items()}
@@ -196,7 +197,7 @@ def _norm_gradients_main(rank: int, port: int, out: str) -> None:
             parallelize.refuse_unplanned_parameters = lambda *args: None
         torch.manual_seed(0)
         model = build_family("gemma3_text", cfg["model"])
-        parallelize.parallelize(model, train.build_mesh(cfg, TP, torch.device("cpu")), cfg)
+        parallelize.parallelize(model, parallelize.build_parallel_dims(cfg, TP, "cpu"), cfg)
         forward_logits(model, GRADIENT_BATCH).float().pow(2).mean().backward()
         grads[variant] = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).tolist()
                           for name, p in model.named_parameters() if name.rsplit(".", 2)[-2] in BLOCK_NORMS}

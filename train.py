@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import signal
 import sys
 import sysconfig
 from pathlib import Path
@@ -29,7 +30,8 @@ from torchtitan.distributed.utils import clip_grad_norm_
 
 import checkpoint
 import report
-from config import USAGE, ConfigError, check_resources, load_config, parse_args, prepare_checkpoint_folder
+from config import (USAGE, ConfigError, check_checkpoint_space, check_resources, load_config, parse_args,
+                    prepare_checkpoint_folder)
 from model import build_model, forward_logits
 from parallelize import build_parallel_dims, parallelize
 
@@ -43,7 +45,7 @@ def main() -> None:
     try:
         log(report.run_line(cfg, launch.world_size, device))
         peak = report.peak_flops(device, cfg)
-        parallel_dims = build_mesh(cfg, launch.world_size, device)
+        parallel_dims = build_parallel_dims(cfg, launch.world_size, device.type)
         if cfg["parallelism"]["tp"] > 1:
             report.log_tp_groups(parallel_dims, launch.node, log)
         dp_mesh = parallel_dims.get_optional_mesh("batch") if parallel_dims else None
@@ -64,6 +66,8 @@ def main() -> None:
             checkpoint.save_hf(Path(ckpt["folder"]), t["steps"], model, cfg["model"], log)
         held_out_loss = evaluate(model, held_out, cfg, device, dp_mesh) if cfg["data"]["eval_batches"] else None
         report.log_summary(cfg, run, held_out_loss, model, optimizer, device, log, peak)
+    except checkpoint.CheckpointError as e:  # a changed [model] at resume, a full disk
+        exit_with(f"error: {e}", launch.rank)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -98,6 +102,8 @@ def config_or_exit(argv: list[str], launch: Launch) -> dict:
         cfg = load_config(path or str(Path(__file__).with_name("config.toml")), launch.world_size, overrides)
         check_resources(cfg, launch.local_world_size)
         prepare_checkpoint_folder(cfg["checkpoint"])
+        if launch.rank == 0 and (warning := check_checkpoint_space(cfg["checkpoint"], cfg["model"])):
+            print(warning, file=sys.stderr)  # on a shared filesystem, rank 0 checks for all
         return cfg
     except ConfigError as e:
         exit_with(f"config error: {e}", launch.rank, code=2)
@@ -122,12 +128,6 @@ def init_distributed(launch: Launch) -> torch.device:
     if launch.world_size > 1:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     return device
-
-
-def build_mesh(cfg: dict, world_size: int, device: torch.device):
-    """torchtitan's ParallelDims for (dp_shard, tp), or None for one process."""
-    p = cfg["parallelism"]
-    return build_parallel_dims(p["dp_shard"], p["tp"], device.type) if world_size > 1 else None
 
 
 def data_parallel_rank(dp_mesh) -> tuple[int, int]:
@@ -239,9 +239,10 @@ class Run:
 def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, device, dp_mesh=None, rank: int = 0,
                log=print, forward=forward_logits, generator=None, t_start: float = T_START) -> Run:
     """Train `steps`, timing each, logging each, saving on [checkpoint]'s interval. A non-finite
-    loss or (after step 1, with compile.fail_on_recompile) a recompile stops the run in one line."""
+    loss, a recompile (after step 1, with compile.fail_on_recompile) or SIGTERM stops the run in one line."""
     t, comp, ckpt = cfg["training"], cfg["compile"], cfg["checkpoint"]
     run = Run(steps, [], [])
+    received = note_stop_signals()
     for step in steps:
         step_start = time.perf_counter()
         x, y = (z.to(device) for z in next(data))
@@ -258,10 +259,38 @@ def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, devic
                 torch.compiler.set_stance("fail_on_recompile")  # every block is compiled by now
         log(f"step {step:3d} | loss {loss:.6f} | grad norm {grad_norm:.6f} | "
             f"{report.tokens_per_step(cfg) / run.step_times[-1]:7.0f} tokens/s | {time.perf_counter() - t_start:6.1f} s")
-        if ckpt["enable"] and (step % ckpt["interval"] == 0 or step == t["steps"]):
+        signum = agreed_signal(received, device)
+        if ckpt["enable"] and (step % ckpt["interval"] == 0 or step == t["steps"] or signum):
             checkpoint.save(Path(ckpt["folder"]), step, ckpt["keep_latest_k"], model, optimizer, scheduler,
                             generator, log)
+        if signum:
+            exit_with(f"stopped by {signal.Signals(signum).name} after step {step}; " + (
+                f"saved {Path(ckpt['folder']) / f'step-{step}'}" if ckpt["enable"] else
+                "checkpoints are off: nothing saved"), rank, code=128 + signum)
     return run
+
+
+def note_stop_signals() -> list[int]:
+    """SIGTERM and SIGINT (a scheduler's pre-emption, Ctrl-C) are noted, for train_loop to stop
+    after the step in progress; a second one meets the default handler and ends the process at once."""
+    received = []
+
+    def note(signum, _frame):
+        received.append(signum)
+        signal.signal(signum, signal.SIG_DFL)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, note)
+    return received
+
+
+def agreed_signal(received: list[int], device: torch.device) -> int:
+    """The largest signal number any rank received, 0 for none: the ranks, which a signal can
+    reach at different moments, stop after the same step."""
+    flag = torch.tensor(max(received, default=0), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
 
 
 @contextlib.contextmanager

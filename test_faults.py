@@ -1,0 +1,147 @@
+"""Faults during a run: a changed [model] at resume, a full disk, too little room, SIGTERM."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import HERE, free_port
+from test_checkpoint import SMALL, _children, _ckpt_args, _launch, _step_values, _train, uninterrupted
+
+EAGER = ("--compile.enable", "false")
+
+
+def _finish(proc: subprocess.Popen, lines: list[str]) -> str:
+    lines.append(proc.communicate(timeout=300)[0])  # a rank hung in a collective fails the test here
+    return "".join(lines)
+
+
+def _failed(nproc: int, args: list[str]) -> str:
+    proc = _launch(nproc, args)
+    out = _finish(proc, [])
+    assert proc.returncode != 0, out[-3000:]
+    return out
+
+
+def _our_lines(out: str, start: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(start)]
+
+
+def _no_traceback_from_the_ranks(out: str) -> None:
+    """torchrun prints its own ChildFailedError; no trace may run through the trainer's files."""
+    assert not any(f'File "{HERE / name}"' in out for name in ("train.py", "checkpoint.py")), out[-4000:]
+
+
+@pytest.mark.parametrize("nproc, dp_shard, change, message", [
+    (1, 1, ("--model.hidden_size", "128"), "model.embed_tokens.weight has shape [2048, 256] there, [2048, 128]"),
+    (2, 1, ("--model.num_key_value_heads", "4"), "model.layers.0.self_attn.k_proj.weight has shape [256, 256] there, [64, 256]"),
+    (4, 2, ("--model.num_hidden_layers", "3"), "tensors missing (model.layers.2."),
+], ids=["1proc-hidden", "tp2-kv_heads", "dp_shard2xtp2-layers"])
+def test_resume_into_a_changed_model_is_one_line(tmp_root, tmp_path, nproc, dp_shard, change, message):
+    _, full_folder = uninterrupted(tmp_root, 2, 1)
+    folder = tmp_path / "ckpt"
+    shutil.copytree(full_folder / "step-15", folder / "step-15")
+    out = _failed(nproc, [*_ckpt_args(folder), *EAGER, "--parallelism.dp_shard", str(dp_shard), *change])
+    [line] = _our_lines(out, "error: ")
+    assert line.startswith(f"error: {folder / 'step-15'} was written for another [model]: {message}"), line
+    assert line.endswith("resume with the [model] it was written with, or use another checkpoint.folder"), line
+    assert "step " not in out.split(line)[0] and "Size mismatch" not in out, out[-3000:]
+    _no_traceback_from_the_ranks(out)
+
+
+def _can_mount_tmpfs() -> bool:
+    try:
+        return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _on_tmpfs(mount: str, size_mib: int, nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    """train.py with a `size_mib` tmpfs mounted at `mount`, in a mount namespace of its own
+    (seen by the run only): a small disk without root. The tmpfs, and what is on it, end with
+    the command, so the folder is copied to `mount`.kept."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                f"--master_port={free_port()}"] if nproc > 1 else [sys.executable]
+    script = (f'mount -t tmpfs -o size={size_mib}m tmpfs "$0" && "$@"; rc=$?; cp -a "$0" "$0.kept"; exit $rc')
+    os.makedirs(mount, exist_ok=True)
+    return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, mount, *launcher,
+                           str(HERE / "train.py"), *args], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare --user --mount for a small tmpfs")
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1proc", "tp2"])
+def test_full_disk_save_is_one_line_and_the_previous_checkpoint_resumes_exactly(tmp_path, nproc):
+    # One checkpoint of the 2-block model is 33 MiB: 45 MiB holds one, not two.
+    disk = tmp_path / "disk"
+    args = [*_ckpt_args(disk / "ckpt"), *EAGER, "--training.steps", "10"]
+    proc = _on_tmpfs(str(disk), 45, nproc, args)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    [warning] = _our_lines(out, "warning: checkpoint.folder")
+    assert "room for 1 checkpoint(s) of 33 MiB, not the 2" in warning, warning
+    [line] = _our_lines(out, "error: ")
+    kept = tmp_path / "disk.kept" / "ckpt"
+    # torch.save's zip writer reports a full disk without its errno: "(0 MiB free; RuntimeError: ...)" then.
+    assert line.startswith(f"error: step 10: saving {disk / 'ckpt' / 'step-10'} failed: No space left on device"), line
+    assert line.endswith(f"; {disk / 'ckpt' / 'step-5'} stays the last complete checkpoint"), line
+    _no_traceback_from_the_ranks(out)
+    assert sorted(p.name for p in kept.iterdir()) == ["step-5"], "the unfinished step-10 is removed"
+    # The failed run is the uninterrupted one up to step 10: resumed on a roomy disk, steps 6-10 match it.
+    resumed = _train(nproc, [*_ckpt_args(kept), *EAGER, "--training.steps", "10"])
+    assert f"checkpoint: loaded step 5 from {kept / 'step-5'}" in resumed, resumed[-3000:]
+    for name in ("loss", "grad norm"):
+        expected = {s: v for s, v in _step_values(out, name).items() if s > 5}
+        assert _step_values(resumed, name) == pytest.approx(expected, abs=1e-6, rel=0), name
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare --user --mount for a small tmpfs")
+def test_no_room_for_one_checkpoint_is_a_config_error(tmp_path):
+    disk = tmp_path / "disk"
+    proc = _on_tmpfs(str(disk), 20, 2, [*_ckpt_args(disk / "ckpt")])
+    assert proc.returncode != 0
+    [line] = _our_lines(proc.stderr, "config error: ")
+    assert line == (f"config error: checkpoint.folder = '{disk / 'ckpt'}' has 20 MiB free, less than one checkpoint "
+                    "of [model] (33 MiB: 12 bytes per parameter for the weights and AdamW's two moments)"), line
+    assert "step " not in proc.stdout and "TP groups" not in proc.stdout, "before any process group"
+
+
+def _signalled_after(nproc: int, args: list[str], line: str, to_worker: bool = False) -> str:
+    """Start training; SIGTERM torchrun (which passes it to every rank), or only the last rank,
+    once rank 0 logs `line`."""
+    proc = _launch(nproc, args)
+    lines = []
+    for text in proc.stdout:
+        lines.append(text)
+        if text.startswith(line):
+            os.kill(_children(proc.pid)[-1] if to_worker else proc.pid, signal.SIGTERM)
+            break
+    out = _finish(proc, lines)
+    assert proc.returncode != 0, out[-3000:]
+    return out
+
+
+def test_sigterm_saves_the_step_every_rank_finished_and_resumes_exactly(tmp_root, tmp_path):
+    full, _ = uninterrupted(tmp_root, 2, 1)
+    folder = tmp_path / "ckpt"
+    out = _signalled_after(2, _ckpt_args(folder), "step   7 ")
+    [line] = _our_lines(out, "stopped by ")
+    stop = int(line.split("after step ")[1].split(";")[0])
+    assert line == f"stopped by SIGTERM after step {stop}; saved {folder / f'step-{stop}'}", line
+    assert 7 <= stop < 20 and max(_step_values(out)) == stop, out[-3000:]
+    resumed = _train(2, _ckpt_args(folder))
+    assert f"checkpoint: loaded step {stop} from {folder / f'step-{stop}'}" in resumed, resumed[-3000:]
+    for name in ("loss", "grad norm"):
+        expected = {s: v for s, v in _step_values(full, name).items() if s > stop}
+        assert _step_values(resumed, name) == pytest.approx(expected, abs=1e-6, rel=0), name
+
+
+def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_checkpoints_off():
+    out = _signalled_after(2, [*SMALL, *EAGER, "--training.steps", "500"], "step   3 ", to_worker=True)
+    [line] = _our_lines(out, "stopped by ")
+    stop = int(line.split("after step ")[1].split(";")[0])
+    assert line == f"stopped by SIGTERM after step {stop}; checkpoints are off: nothing saved", line
+    assert max(_step_values(out)) == stop < 10, out[-3000:]  # rank 0, which no signal reached, stopped too
