@@ -86,18 +86,12 @@ def parse_value(text: str) -> object:
 def load_config(path: str, world_size: int, overrides: dict[str, object] | None = None) -> dict:
     """Read the config file, apply the overrides, check everything, resolve the -1 degrees."""
     try:
-        with open(path, "rb") as f:
-            cfg = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path!r} not found") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path!r} is a folder, not a file") from None
-    except OSError as e:
-        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"config file {path!r} is not UTF-8 text") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from None
+        cfg = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        why = {FileNotFoundError: "not found", IsADirectoryError: "is a folder, not a file",
+               UnicodeDecodeError: "is not UTF-8 text"}.get(type(e))
+        why = why or (f"is not valid TOML: {e}" if isinstance(e, tomllib.TOMLDecodeError) else f"cannot be read: {e.strerror}")
+        raise ConfigError(f"config file {path!r} {why}") from None
     for dotted, value in (overrides or {}).items():
         *tables, key = dotted.split(".")
         table = cfg

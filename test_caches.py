@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from conftest import HERE, _losses, free_port
+from conftest import HERE, _losses, again_if_a_rank_died_of_a_signal, free_port
 
 SMALL = ("--training.steps", "3", "--model.num_hidden_layers", "2", "--training.seq_len", "64",
          "--training.local_batch_size", "2", "--data.max_bytes", "1000000", "--data.eval_batches", "1")
@@ -38,7 +38,8 @@ def _run(cache_dir, tmp_path, workaround: bool = True) -> subprocess.CompletedPr
                TORCH_LOGS="torch._functorch._aot_autograd.autograd_cache")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            str(script), *SMALL]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = again_if_a_rank_died_of_a_signal(lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                                                                   env=env))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
@@ -65,8 +66,13 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("inductor-cache")
 
 
-def test_second_tp_run_hits_the_compile_caches_each_rank_its_own(cache_dir, tmp_path):
-    cold = _run(cache_dir, tmp_path)
+@pytest.fixture(scope="module")
+def cold(cache_dir, tmp_path_factory):
+    """The first TP run into the empty cache, shared by both tests."""
+    return _run(cache_dir, tmp_path_factory.mktemp("cold"))
+
+
+def test_second_tp_run_hits_the_compile_caches_each_rank_its_own(cache_dir, cold, tmp_path):
     warm = _run(cache_dir, tmp_path)
     assert re.fullmatch(r"AOTAutograd 0 hit, \d+ missed; FX graph 0 hit, \d+ missed on every rank",
                         _summary(cold, "compile caches")), cold.stdout
@@ -82,10 +88,10 @@ def test_second_tp_run_hits_the_compile_caches_each_rank_its_own(cache_dir, tmp_
         assert loaded[rank] and loaded[rank] <= written[rank], f"rank {rank} loaded {loaded[rank]}, wrote {written}"
 
 
-def test_without_the_mesh_hash_workaround_a_second_tp_run_misses(cache_dir, tmp_path):
-    """When this fails, the installed torch keys its caches stably by itself: remove
-    parallelize.keep_device_mesh_hash_out_of_pickles."""
-    _run(cache_dir, tmp_path, workaround=False)
+def test_without_the_mesh_hash_workaround_a_second_tp_run_misses(cache_dir, cold, tmp_path):
+    """A run without the workaround after `cold`, which wrote the entries it would hit: the
+    workaround only drops `_hash` from the key. When this fails, the installed torch keys its
+    caches stably by itself: remove parallelize.keep_device_mesh_hash_out_of_pickles."""
     second = _run(cache_dir, tmp_path, workaround=False)
     assert re.fullmatch(r"AOTAutograd 0 hit, [1-9]\d* missed; .* on every rank", _summary(second, "compile caches")), \
         second.stdout

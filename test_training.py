@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from conftest import (DP_SHARD, GLOBAL_BATCH, HERE, _losses, _torchrun, _torchrun_cmd, free_port, run_2d, run_one,
-                      run_ranks, run_tp)
+from conftest import (DP_SHARD, GLOBAL_BATCH, HERE, _losses, _torchrun, _torchrun_cmd, again_if_a_rank_died_of_a_signal,
+                      free_port, run_2d, run_one, run_ranks, run_tp)
 
 
 
@@ -63,7 +63,7 @@ def test_two_nodes_keep_every_tp_group_inside_one_node():
 def test_bench_reports_one_graph_and_the_same_losses_for_patched_and_torchtitan_native():
     cmd = [sys.executable, str(HERE / "bench.py"), "--steps", "3", "--warm-rounds", "0", "--seq-len", "64",
            "--batch", "2", "--layers", "2", "--variants", "patched,titan"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = again_if_a_rank_died_of_a_signal(lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=600))
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = {cells[0]: cells for cells in ([c.strip() for c in line.split("|")[1:-1]]
             for line in proc.stdout.splitlines() if line.startswith(("| patched", "| titan")))}
