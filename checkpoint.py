@@ -47,10 +47,6 @@ def step_dirs(folder: Path) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_DIR.fullmatch(p.name)) and p.is_dir())
 
 
-def is_complete(path: Path) -> bool:
-    return checkpoint_state(path) == "complete"
-
-
 def checkpoint_state(path: Path) -> str:
     """"complete": its marker (written last) names every file with its size, all there in full.
     "incomplete": known garbage (no marker: a killed save; a file cut short). "unreadable":
@@ -58,12 +54,10 @@ def checkpoint_state(path: Path) -> str:
     try:
         files = json.loads((path / MARKER).read_text())["files"]
         sizes = {name: (path / name).stat().st_size for name in files}
-    except FileNotFoundError:
-        return "incomplete"
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return "incomplete"  # the marker is replaced atomically: a broken one was damaged since
     except OSError:
         return "unreadable"
-    except (ValueError, KeyError, TypeError):
-        return "incomplete"  # the marker is replaced atomically: a broken one was damaged since
     return "complete" if files and sizes == files else "incomplete"
 
 
@@ -158,10 +152,7 @@ def resume(ckpt: dict, model, optimizer, scheduler, generator, log) -> int:
         return step
     if ckpt["initial_load_path"]:
         path, hf = ckpt["initial_load_path"], ckpt["initial_load_in_hf"]
-        if hf:
-            load_hf_weights(model, Path(path))
-        else:
-            load_dcp_weights(model, Path(path))
+        (load_hf_weights if hf else load_dcp_weights)(model, Path(path))
         log(f"checkpoint: none complete in {folder}; loaded the {'HF' if hf else 'DCP'} weights of "
             f"{path} in {time.perf_counter() - start:.1f} s, starting from step 1")
         return 0

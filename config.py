@@ -11,7 +11,7 @@ import torch
 from torch._dynamo import list_backends
 from transformers import LlamaForCausalLM
 
-from checkpoint import MARKER, hf_folder_mismatch, is_complete
+from checkpoint import MARKER, checkpoint_state, hf_folder_mismatch
 from model import DECODER_LAYERS, hf_config
 
 USAGE = """usage: train.py [--config PATH] [--section.key VALUE ...]
@@ -221,10 +221,13 @@ def check_checkpoint(c: dict, model_cfg: dict) -> None:
         check_initial_load(c, model_cfg)
 
 
-def prepare_checkpoint_folder(c: dict) -> None:
-    """train.py's step after validate: create the folder and a file in it now, not at the first save."""
+def prepare_checkpoint_folder(c: dict, model_cfg: dict, rank0: bool = True) -> str | None:
+    """train.py's step after validate: create the folder and a file in it now, not at the first
+    save; then rank 0 checks the room. A checkpoint is the parameters and AdamW's two moments, 12
+    bytes per parameter, + 1% + 1 MiB: no room for one is an error, for those on disk while a save
+    replaces the oldest kept (keep_latest_k + 1, or 2) a warning, returned."""
     if not c["enable"]:
-        return
+        return None
     folder = Path(c["folder"])
     probe = folder / f".write-probe-{os.getpid()}"
     try:
@@ -233,23 +236,13 @@ def prepare_checkpoint_folder(c: dict) -> None:
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"checkpoint.folder = {c['folder']!r} cannot be created or written: {e.strerror or e}") from None
-
-
-def check_checkpoint_space(c: dict, model_cfg: dict) -> str | None:
-    """Rank 0's step after prepare_checkpoint_folder. One checkpoint is the parameters and AdamW's
-    two moments, 12 bytes per parameter in float32, + 1% + 1 MiB: no room for one is an error, no
-    room for those on disk while a save replaces the oldest kept (keep_latest_k + 1, or 2) a warning."""
-    if not c["enable"]:
-        return None
-    one, free = 12.12 * count_parameters(model_cfg) + 2**20, shutil.disk_usage(c["folder"]).free
+    one, free = 12.12 * count_parameters(model_cfg) + 2**20, shutil.disk_usage(folder).free
     kept, mib = c["keep_latest_k"] + 1 if c["keep_latest_k"] else 2, lambda n: f"{n / 2**20:,.0f} MiB"
-    require(free >= one, f"checkpoint.folder = {c['folder']!r} has {mib(free)} free, less than one checkpoint of "
-            f"[model] ({mib(one)}: 12 bytes per parameter for the weights and AdamW's two moments)")
-    if free < kept * one:
-        return (f"warning: checkpoint.folder = {c['folder']!r} has {mib(free)} free, room for {int(free // one)} "
-                f"checkpoint(s) of {mib(one)}, not the {kept} that keep_latest_k = {c['keep_latest_k']} needs "
-                "during a save: that save will fail")
-    return None
+    require(not rank0 or free >= one, f"checkpoint.folder = {c['folder']!r} has {mib(free)} free, less than one "
+            f"checkpoint of [model] ({mib(one)}: 12 bytes per parameter for the weights and AdamW's two moments)")
+    return (f"warning: checkpoint.folder = {c['folder']!r} has {mib(free)} free, room for {int(free // one)} checkpoint(s) "
+            f"of {mib(one)}, not the {kept} that keep_latest_k = {c['keep_latest_k']} needs during a save: that save "
+            "will fail") if rank0 and free < kept * one else None
 
 
 def check_initial_load(c: dict, model_cfg: dict) -> None:
@@ -262,7 +255,7 @@ def check_initial_load(c: dict, model_cfg: dict) -> None:
         problem = hf_folder_mismatch(path, model_cfg)
         require(problem is None, f"{name} does not fit [model]: {problem}")
     else:
-        require(is_complete(path), f"{name} is not a complete DCP checkpoint (no valid {MARKER})")
+        require(checkpoint_state(path) == "complete", f"{name} is not a complete DCP checkpoint (no valid {MARKER})")
 
 
 def resolve_mesh(dp_shard: int, tp: int, world_size: int) -> tuple[int, int]:

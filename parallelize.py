@@ -210,12 +210,10 @@ def _attention_input_plan(decoder_layer: str, attention_gather: str) -> dict:
         return {}
     if decoder_layer == "positional":
         return {"self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
-    if decoder_layer == "stock":
-        return {"self_attn": PrepareModuleInput(
-            input_kwarg_layouts={"hidden_states": Shard(1)},
-            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-        )}
-    raise ValueError(f"decoder_layer must be 'positional' or 'stock', got {decoder_layer!r}")
+    return {"self_attn": PrepareModuleInput(  # "stock", as config.py checks
+        input_kwarg_layouts={"hidden_states": Shard(1)},
+        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+    )}
 
 
 def apply_ac(model: LlamaForCausalLM, mode: str, selective_option: str, compile_enabled: bool) -> None:

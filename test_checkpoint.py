@@ -136,16 +136,16 @@ def test_unfinished_save_is_skipped_for_the_previous_complete_one(tmp_root, tmp_
 
 
 def test_completeness_check_rejects_cut_files_and_markers(tmp_root, tmp_path):
-    from checkpoint import is_complete
+    from checkpoint import checkpoint_state
 
     _, full_folder = uninterrupted(tmp_root, 2, 1)
-    assert is_complete(full_folder / "step-20")
+    assert checkpoint_state(full_folder / "step-20") == "complete"
     for damage in ("marker", "shard"):
         path = tmp_path / damage
         shutil.copytree(full_folder / "step-20", path)
         target = path / ("complete.json" if damage == "marker" else "__1_0.distcp")
         target.write_bytes(target.read_bytes()[:-7])
-        assert not is_complete(path), damage
+        assert checkpoint_state(path) == "incomplete", damage
 
 
 def test_four_rank_checkpoint_resumes_on_two_ranks_and_one_process(tmp_root, tmp_path):

@@ -30,8 +30,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 
 import checkpoint
 import report
-from config import (USAGE, ConfigError, check_checkpoint_space, check_resources, load_config, parse_args,
-                    prepare_checkpoint_folder)
+from config import USAGE, ConfigError, check_resources, load_config, parse_args, prepare_checkpoint_folder
 from model import build_model, forward_logits
 from parallelize import build_parallel_dims, parallelize
 
@@ -101,8 +100,7 @@ def config_or_exit(argv: list[str], launch: Launch) -> dict:
         path, overrides = parse_args(argv)
         cfg = load_config(path or str(Path(__file__).with_name("config.toml")), launch.world_size, overrides)
         check_resources(cfg, launch.local_world_size)
-        prepare_checkpoint_folder(cfg["checkpoint"])
-        if launch.rank == 0 and (warning := check_checkpoint_space(cfg["checkpoint"], cfg["model"])):
+        if warning := prepare_checkpoint_folder(cfg["checkpoint"], cfg["model"], rank0=launch.rank == 0):
             print(warning, file=sys.stderr)  # on a shared filesystem, rank 0 checks for all
         return cfg
     except ConfigError as e:
