@@ -210,7 +210,7 @@ ROOT_CAUSE_SIGNAL = re.compile(r"Root Cause \(first observed failure\):.*?exitco
 def again_if_a_rank_died_of_a_signal(launch) -> subprocess.CompletedProcess:
     """run_ranks' rule for torchrun: `launch()` once more, with a warning, when torchrun's first
     failing rank was killed by a signal (its report's "exitcode : -6"), before any checkpoint
-    was saved (a rerun then starts the same). The cause of CI's one SIGABRT is unknown (README)."""
+    was saved (a rerun then starts the same). The cause of CI's one SIGABRT is unknown (RESULTS.md, faults)."""
     proc = launch()
     out = proc.stdout + (proc.stderr or "")
     if proc.returncode != 0 and (died := ROOT_CAUSE_SIGNAL.search(out)) and "checkpoint: saved" not in out:
