@@ -38,7 +38,8 @@ def _launch(nproc: int, args: list[str]) -> subprocess.Popen:
 def _train(nproc: int, args: list[str]) -> str:
     def launch():
         proc = _launch(nproc, args)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, proc.communicate(timeout=600)[0])
+        out = proc.communicate(timeout=600)[0]
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out)
     proc = again_if_a_rank_died_of_a_signal(launch)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return proc.stdout
