@@ -4,7 +4,7 @@
     folder/step-N/complete.json   written last, once every rank's shards are on disk
     folder/step-N-hf/             last_save_in_hf: config.json + model.safetensors
 
-DCP reshards on load (dp_shard 2 x tp 2 loads on tp 2 or one process); `get_state_dict` uses
+DCP reshards on load (a TP 2 checkpoint loads on dp_shard 2 x tp 2 or one process); `get_state_dict` uses
 the plain HF names, without the compile and AC wrappers' prefixes.
 """
 

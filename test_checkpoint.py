@@ -97,7 +97,7 @@ def _assert_one_graph(out: str) -> None:
 
 
 def test_killed_run_resumes_with_the_uninterrupted_losses(tmp_root, tmp_path, nproc=2, dp_shard=1):
-    """On TP 2; test_four_rank_checkpoint_resumes_on_two_ranks_and_one_process loads 2D's saves."""
+    """On TP 2; test_tp_checkpoint_resumes_on_four_ranks_and_one_process loads its saves on 2D."""
     full, full_folder = uninterrupted(tmp_root, nproc, dp_shard)
     assert sorted(p.name for p in full_folder.iterdir()) == ["step-15", "step-20", "step-20-hf"], "keep_latest_k 2"
     args = _ckpt_args(tmp_path / "ckpt", "--parallelism.dp_shard", str(dp_shard))
@@ -149,14 +149,15 @@ def test_completeness_check_rejects_cut_files_and_markers(tmp_root, tmp_path):
         assert checkpoint_state(path) == "incomplete", damage
 
 
-def test_four_rank_checkpoint_resumes_on_two_ranks_and_one_process(tmp_root, tmp_path):
-    full, full_folder = uninterrupted(tmp_root, 4, 2)
+def test_tp_checkpoint_resumes_on_four_ranks_and_one_process(tmp_root, tmp_path):
+    """DCP reshards: TP 2's step-15 loads on dp_shard 2 x tp 2 and on one process."""
+    full, full_folder = uninterrupted(tmp_root, 2, 1)
     expected = {s: v for s, v in _step_losses(full).items() if s > 15}
-    for nproc in (2, 1):
+    # The same global batch of 2 windows: 1 on each of 2 dp ranks, or 2 on one process.
+    for nproc, extra in ((4, ("--parallelism.dp_shard", "2", "--training.local_batch_size", "1")), (1, ())):
         folder = tmp_path / f"on-{nproc}"
         shutil.copytree(full_folder / "step-15", folder / "step-15")
-        # The same global batch: 2 dp ranks x 2 windows become 4 windows on one TP group.
-        out = _train(nproc, _ckpt_args(folder, local_batch=4))
+        out = _train(nproc, [*_ckpt_args(folder), *extra])
         assert "checkpoint: loaded step 15" in out, out[-3000:]
         losses = _step_losses(out)
         assert sorted(losses) == sorted(expected)

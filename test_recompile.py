@@ -164,11 +164,11 @@ def one_eager_process(arch: str) -> dict:
     return run_training(small_config(**{"compile.enable": False, "parallelism.tp": 1}), 1, arch=arch)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", pytest.param("gemma3_text", marks=pytest.mark.recompile_proof)])
+@pytest.mark.recompile_proof
+@pytest.mark.parametrize("arch", ["gemma3_text"])
 def test_norm_output_plan_fixes_other_hf_architectures(tmp_root, arch):
-    """Qwen3: per-head q/k norms; Qwen2: q/k/v biases; Gemma3: both q/k norms and four block
-    norms (around attention and the MLP), each planned by its type: the one of the three that
-    torch 2.10.0 also runs (RESULTS.md's reach table has the others there)."""
+    """Gemma3: per-head q/k norms and four block norms (around attention and the MLP), each
+    planned by its type. reach.py runs every other dense family the same way (RESULTS.md)."""
     r = run_tp(tmp_root, arch, **{"parallelism.decoder_layer": "stock", **NORM_OUTPUT})
     assert r["error"] is None, r["error"]
     assert r["kwargs_hooks"] == []
@@ -293,6 +293,7 @@ def test_2d_norm_output_plan_on_stock_layer_compiles_one_graph(tmp_root):
 
 
 @pytest.mark.recompile_proof
+@pytest.mark.skipif(not HOOK_GUARD_BUG, reason="the fixed Dynamo's one graph shows on TP 2 already (the TP test)")
 def test_2d_stock_layer_behaviour_matches_installed_torch(tmp_root):
     r = run_2d(tmp_root, **{"parallelism.decoder_layer": "stock"})
     assert r["attention_kwargs_hooks"] == r["attention_modules"]
