@@ -83,10 +83,10 @@ def training_state(model, optimizer, scheduler, generator: torch.Generator, step
             "train": {"step": step, "scheduler": scheduler.state_dict(), "data_rng": generator.get_state()}}
 
 
-def save(folder: Path, step: int, keep_latest_k: int, model, optimizer, scheduler, generator, log) -> None:
+def save(folder: Path, step: int, keep_latest_k: int, model, optimizer, scheduler, generator, log) -> Path:
     """DCP save on every rank, then rank 0's marker, then old checkpoints pruned: a checkpoint
     is removed only once a newer one is complete. A failed save (a full disk) is removed and
-    raised as CheckpointError on every rank."""
+    raised as CheckpointError on every rank. Returns the checkpoint's folder."""
     start = time.perf_counter()
     path = folder / f"step-{step}"
     if is_rank0():
@@ -108,6 +108,7 @@ def save(folder: Path, step: int, keep_latest_k: int, model, optimizer, schedule
     removed = prune(folder, step, keep_latest_k) if is_rank0() else []
     log(f"checkpoint: saved step {step} to {path} in {time.perf_counter() - start:.1f} s"
         + (f" (removed {', '.join(removed)})" if removed else ""))
+    return path
 
 
 def why_save_failed(error: BaseException, path: Path) -> str:

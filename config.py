@@ -236,13 +236,15 @@ def prepare_checkpoint_folder(c: dict, model_cfg: dict, rank0: bool = True) -> s
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"checkpoint.folder = {c['folder']!r} cannot be created or written: {e.strerror or e}") from None
+    if not rank0:
+        return None
     one, free = 12.12 * count_parameters(model_cfg) + 2**20, shutil.disk_usage(folder).free
     kept, mib = c["keep_latest_k"] + 1 if c["keep_latest_k"] else 2, lambda n: f"{n / 2**20:,.0f} MiB"
-    require(not rank0 or free >= one, f"checkpoint.folder = {c['folder']!r} has {mib(free)} free, less than one "
-            f"checkpoint of [model] ({mib(one)}: 12 bytes per parameter for the weights and AdamW's two moments)")
+    require(free >= one, f"checkpoint.folder = {c['folder']!r} has {mib(free)} free, less than one checkpoint of "
+            f"[model] ({mib(one)}: 12 bytes per parameter for the weights and AdamW's two moments)")
     return (f"warning: checkpoint.folder = {c['folder']!r} has {mib(free)} free, room for {int(free // one)} checkpoint(s) "
             f"of {mib(one)}, not the {kept} that keep_latest_k = {c['keep_latest_k']} needs during a save: that save "
-            "will fail") if rank0 and free < kept * one else None
+            "will fail") if free < kept * one else None
 
 
 def check_initial_load(c: dict, model_cfg: dict) -> None:

@@ -257,14 +257,13 @@ def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, devic
                 torch.compiler.set_stance("fail_on_recompile")  # every block is compiled by now
         log(f"step {step:3d} | loss {loss:.6f} | grad norm {grad_norm:.6f} | "
             f"{report.tokens_per_step(cfg) / run.step_times[-1]:7.0f} tokens/s | {time.perf_counter() - t_start:6.1f} s")
-        signum = agreed_signal(received, device)
+        signum, saved = agreed_signal(received, device), None
         if ckpt["enable"] and (step % ckpt["interval"] == 0 or step == t["steps"] or signum):
-            checkpoint.save(Path(ckpt["folder"]), step, ckpt["keep_latest_k"], model, optimizer, scheduler,
-                            generator, log)
+            saved = checkpoint.save(Path(ckpt["folder"]), step, ckpt["keep_latest_k"], model, optimizer, scheduler,
+                                    generator, log)
         if signum:
-            exit_with(f"stopped by {signal.Signals(signum).name} after step {step}; " + (
-                f"saved {Path(ckpt['folder']) / f'step-{step}'}" if ckpt["enable"] else
-                "checkpoints are off: nothing saved"), rank, code=128 + signum)
+            exit_with(f"stopped by {signal.Signals(signum).name} after step {step}; "
+                      + (f"saved {saved}" if saved else "checkpoints are off: nothing saved"), rank, code=128 + signum)
     return run
 
 
