@@ -152,8 +152,14 @@ def resume(ckpt: dict, model, optimizer, scheduler, generator, log) -> int:
         log(f"checkpoint: loaded step {step} from {path} in {time.perf_counter() - start:.1f} s")
         return step
     if ckpt["initial_load_path"]:
-        path, hf = ckpt["initial_load_path"], ckpt["initial_load_in_hf"]
-        (load_hf_weights if hf else load_dcp_weights)(model, Path(path))
+        path, hf = Path(ckpt["initial_load_path"]), ckpt["initial_load_in_hf"]
+        if hf:
+            load_hf_weights(model, path)
+        else:  # the model part of another run's DCP checkpoint; optimizer and schedule start fresh
+            state = {"model": get_model_state_dict(model)}
+            require_same_model(path, state["model"])
+            dcp.load(state, checkpoint_id=path)
+            set_model_state_dict(model, state["model"])
         log(f"checkpoint: none complete in {folder}; loaded the {'HF' if hf else 'DCP'} weights of "
             f"{path} in {time.perf_counter() - start:.1f} s, starting from step 1")
         return 0
@@ -190,14 +196,6 @@ def require_same_model(path: Path, model_state: dict) -> None:
     if problem := decided_on_rank0(mismatch):
         raise CheckpointError(f"{path} was written for another [model]: {problem}; resume with the [model] "
                               "it was written with, or use another checkpoint.folder")
-
-
-def load_dcp_weights(model, path: Path) -> None:
-    """The model part of another run's DCP checkpoint (optimizer and schedule start fresh)."""
-    state = {"model": get_model_state_dict(model)}
-    require_same_model(path, state["model"])
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
 
 
 # -----------------------------------------------------------------------------
@@ -250,24 +248,19 @@ def write_hf(path: Path, weights: dict, model_cfg: dict) -> str | None:
 
 
 def hf_folder_mismatch(path: Path, model_cfg: dict) -> str | None:
-    """What differs between an HF folder and [model], in a few words; None if nothing does."""
+    """What differs between an HF folder (config.json, then the tensors' shapes) and [model], in a few
+    words; None if nothing does."""
+    from safetensors import safe_open
+
     try:
         found = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
         return f"no readable config.json ({type(e).__name__})"
     defaults = LlamaConfig().to_dict()  # what transformers assumes for a key config.json leaves out
-    for key, want in model_cfg.items():
-        if key == "attn_implementation":
-            continue  # how to run attention, not what the weights are
+    for key, want in ((k, v) for k, v in model_cfg.items() if k != "attn_implementation"):  # not in the weights
         have = found.get(key, defaults.get(key))
         if have != want:
             return f"config.json has {key} = {have}, [model] has {want}"
-    return hf_shapes_mismatch(path, model_cfg)
-
-
-def hf_shapes_mismatch(path: Path, model_cfg: dict) -> str | None:
-    from safetensors import safe_open
-
     with torch.device("meta"):
         want = {k: list(v.shape) for k, v in LlamaForCausalLM(hf_config(model_cfg)).state_dict().items()
                 if not (k == "lm_head.weight" and model_cfg["tie_word_embeddings"])}

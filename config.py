@@ -14,12 +14,6 @@ from transformers import LlamaForCausalLM
 from checkpoint import MARKER, checkpoint_state, hf_folder_mismatch
 from model import DECODER_LAYERS, hf_config
 
-USAGE = """usage: train.py [--config PATH] [--section.key VALUE ...]
-
-Any config key can be overridden, torchtitan-style: --parallelism.dp_shard 2 --training.steps 20.
-A value is read as a TOML literal (2, -1, 8e-4, true, "text"), else as plain text (paths need no
-quotes), and goes through the same checks as the file."""
-
 SCHEMA = {  # every key and its type, in config.toml's order
     "model": dict(hidden_size=int, num_hidden_layers=int, num_attention_heads=int, num_key_value_heads=int,
                   intermediate_size=int, vocab_size=int, tie_word_embeddings=bool, rms_norm_eps=float,
@@ -70,17 +64,12 @@ def parse_args(argv: list[str]) -> tuple[str | None, dict[str, object]]:
         i += 1
         if name == "config":
             path = text
-        else:
-            overrides[name] = parse_value(text)
+            continue
+        try:  # a TOML literal (2, -1, 8e-4, true, "x"), else the text itself
+            overrides[name] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            overrides[name] = text
     return path, overrides
-
-
-def parse_value(text: str) -> object:
-    """A TOML literal (2, -1, 8e-4, true, "x"), else the text itself."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
 
 
 def load_config(path: str, world_size: int, overrides: dict[str, object] | None = None) -> dict:
@@ -89,9 +78,8 @@ def load_config(path: str, world_size: int, overrides: dict[str, object] | None 
         cfg = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         why = {FileNotFoundError: "not found", IsADirectoryError: "is a folder, not a file",
-               UnicodeDecodeError: "is not UTF-8 text"}.get(type(e))
-        why = why or (f"is not valid TOML: {e}" if isinstance(e, tomllib.TOMLDecodeError) else f"cannot be read: {e.strerror}")
-        raise ConfigError(f"config file {path!r} {why}") from None
+               UnicodeDecodeError: "is not UTF-8 text", tomllib.TOMLDecodeError: f"is not valid TOML: {e}"}.get(type(e))
+        raise ConfigError(f"config file {path!r} {why or f'cannot be read: {e.strerror}'}") from None
     for dotted, value in (overrides or {}).items():
         *tables, key = dotted.split(".")
         table = cfg
@@ -119,8 +107,7 @@ def validate(cfg: dict, world_size: int) -> None:
 def check_table(values: dict, fields: dict, prefix: str = "") -> None:
     """Every key of `fields` present with its type (a dict: a table checked the same way), no
     other key. An int is taken where a float is asked for."""
-    def what(key):  # the top-level tables are the config's sections
-        return f"key {prefix}{key}" if prefix else f"section [{key}]"
+    what = lambda key: f"key {prefix}{key}" if prefix else f"section [{key}]"  # noqa: E731 (top level: sections)
     for key in values:
         require(key in fields, f"unknown {what(key)}; known: {', '.join(fields)}")
     for key, typ in fields.items():
@@ -217,15 +204,23 @@ def check_checkpoint(c: dict, model_cfg: dict) -> None:
     require(c["folder"].strip() != "", "checkpoint.folder is empty: name a folder for the step-N/ checkpoints")
     folder = Path(c["folder"])
     require(not folder.exists() or folder.is_dir(), f"checkpoint.folder = {c['folder']!r} is a file, not a folder")
-    if c["initial_load_path"]:
-        check_initial_load(c, model_cfg)
+    if not c["initial_load_path"]:
+        return
+    path, name = Path(c["initial_load_path"]), f"checkpoint.initial_load_path = {c['initial_load_path']!r}"
+    require(path.exists(), f"{name} does not exist")
+    require(path.is_dir(), f"{name} is not a folder")
+    require(os.access(path, os.R_OK | os.X_OK), f"{name} cannot be read")
+    if c["initial_load_in_hf"]:
+        problem = hf_folder_mismatch(path, model_cfg)
+        require(problem is None, f"{name} does not fit [model]: {problem}")
+    else:
+        require(checkpoint_state(path) == "complete", f"{name} is not a complete DCP checkpoint (no valid {MARKER})")
 
 
 def prepare_checkpoint_folder(c: dict, model_cfg: dict, rank0: bool = True) -> str | None:
-    """train.py's step after validate: create the folder and a file in it now, not at the first
-    save; then rank 0 checks the room. A checkpoint is the parameters and AdamW's two moments, 12
-    bytes per parameter, + 1% + 1 MiB: no room for one is an error, for those on disk while a save
-    replaces the oldest kept (keep_latest_k + 1, or 2) a warning, returned."""
+    """After validate: the folder created and written to now, not at the first save; then rank 0
+    checks the room. No room for one checkpoint is an error; for keep_latest_k + 1 (or 2: those on
+    disk while a save replaces the oldest), a warning, returned."""
     if not c["enable"]:
         return None
     folder = Path(c["folder"])
@@ -238,26 +233,13 @@ def prepare_checkpoint_folder(c: dict, model_cfg: dict, rank0: bool = True) -> s
         raise ConfigError(f"checkpoint.folder = {c['folder']!r} cannot be created or written: {e.strerror or e}") from None
     if not rank0:
         return None
-    one, free = 12.12 * count_parameters(model_cfg) + 2**20, shutil.disk_usage(folder).free
+    one, free = 12.12 * count_parameters(model_cfg) + 2**20, shutil.disk_usage(folder).free  # measured: 12 bytes + 1%
     kept, mib = c["keep_latest_k"] + 1 if c["keep_latest_k"] else 2, lambda n: f"{n / 2**20:,.0f} MiB"
     require(free >= one, f"checkpoint.folder = {c['folder']!r} has {mib(free)} free, less than one checkpoint of "
             f"[model] ({mib(one)}: 12 bytes per parameter for the weights and AdamW's two moments)")
     return (f"warning: checkpoint.folder = {c['folder']!r} has {mib(free)} free, room for {int(free // one)} checkpoint(s) "
             f"of {mib(one)}, not the {kept} that keep_latest_k = {c['keep_latest_k']} needs during a save: that save "
             "will fail") if free < kept * one else None
-
-
-def check_initial_load(c: dict, model_cfg: dict) -> None:
-    path = Path(c["initial_load_path"])
-    name = f"checkpoint.initial_load_path = {c['initial_load_path']!r}"
-    require(path.exists(), f"{name} does not exist")
-    require(path.is_dir(), f"{name} is not a folder")
-    require(os.access(path, os.R_OK | os.X_OK), f"{name} cannot be read")
-    if c["initial_load_in_hf"]:
-        problem = hf_folder_mismatch(path, model_cfg)
-        require(problem is None, f"{name} does not fit [model]: {problem}")
-    else:
-        require(checkpoint_state(path) == "complete", f"{name} is not a complete DCP checkpoint (no valid {MARKER})")
 
 
 def resolve_mesh(dp_shard: int, tp: int, world_size: int) -> tuple[int, int]:
@@ -284,8 +266,10 @@ def check_resources(cfg: dict, local_world_size: int) -> None:
         require(local_world_size <= gpus, f"{local_world_size} processes on this node (torchrun --nproc_per_node) "
                 f"but {gpus} GPU(s): each process needs a GPU of its own")
         available, where = torch.cuda.get_device_properties(0).total_memory, "GPU 0 has"
-    else:
-        available, where = memory_available() / local_world_size, f"1/{local_world_size} of this machine's free memory is"
+    else:  # Linux's MemAvailable: free plus reclaimable cache
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        available = int(meminfo["MemAvailable"].split()[0]) * 1024 / local_world_size
+        where = f"1/{local_world_size} of this machine's free memory is"
     p, params = cfg["parallelism"], count_parameters(cfg["model"])
     need = 16 * params / (p["tp"] * p["dp_shard"])
     require(need < available, f"[model] has {params:,} parameters: {need / 2**30:,.1f} GiB per process for them, "
@@ -297,9 +281,3 @@ def count_parameters(model_cfg: dict) -> int:
     """LlamaForCausalLM's parameter count for [model], built on the meta device (no memory)."""
     with torch.device("meta"):
         return sum(p.numel() for p in LlamaForCausalLM(hf_config(model_cfg)).parameters())
-
-
-def memory_available() -> int:
-    """Linux's MemAvailable (free plus reclaimable cache), in bytes."""
-    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    return int(meminfo["MemAvailable"].split()[0]) * 1024

@@ -123,8 +123,7 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
         return reduce_scatter(output, input, *args, **kwargs)
 
     setattr(dist, rs_name, recording_reduce_scatter)
-    batches = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]),
-                            *train.data_parallel_rank(dp_mesh))
+    batches = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]), dp_mesh)
     try:
         for _ in range(t["steps"]):
             x, y = next(batches)

@@ -62,8 +62,7 @@ def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str, a
     """TP + sequence parallel: torchtitan's llama3 plan on HF names. Between blocks activations
     are Shard(1) (sequence); attention and MLP all-gather on entry and reduce-scatter on exit.
     Logits stay sharded on the vocabulary with `loss_parallel` (train.vocab_parallel), else replicated."""
-    require_layout(model)
-    require_sdpa(model)
+    require_llama_layout_and_sdpa(model)
     plans = [block_plan(block, decoder_layer, attention_gather) for block in model.model.layers]  # may refuse
     parallelize_module(model, tp_mesh, {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -99,10 +98,9 @@ MLP_PROJECTIONS = {"gate_proj": "in", "up_proj": "in", "c_fc": "in", "fc1": "in"
 
 
 def block_plan(block: nn.Module, decoder_layer: str, attention_gather: str) -> dict:
-    """One block's plan, from the modules it holds. Every norm outside attention and the MLP is
-    SequenceParallel, found by type: its weight's gradient is then summed over the TP group (an
-    unplanned norm trains on its rank's tokens only, in silence). Raises PlanError for what the
-    plan cannot make correct."""
+    """One block's plan, from the modules it holds; PlanError for what it cannot make correct. Every
+    norm outside attention and the MLP is SequenceParallel, found by type, so that its weight's gradient
+    is summed over the TP group (an unplanned norm trains on its rank's tokens only, in silence)."""
     gather_at = attention_norm(block) if attention_gather == "norm_output" else "input_layernorm"
     norms = [name for name, module in block.named_children() if NORM.search(type(module).__name__)]
     return {
@@ -175,8 +173,9 @@ def mlp_plan(mlp: nn.Module) -> dict:
             for name in linears}
 
 
-def require_layout(model: nn.Module) -> None:
-    """The module names the plan uses, every block's included."""
+def require_llama_layout_and_sdpa(model: nn.Module) -> None:
+    """The module names the plan uses, every block's included; and SDPA: under sequence parallel HF
+    builds an attention mask from each rank's 1/TP of the sequence, SDPA with none runs is_causal."""
     blocks = getattr(getattr(model, "model", None), "layers", [])
     for name in ("model.embed_tokens", "model.layers", "model.norm", "lm_head",
                  *(f"model.layers.{i}.{part}" for i in range(len(blocks)) for part in ("self_attn", "mlp"))):
@@ -184,11 +183,6 @@ def require_layout(model: nn.Module) -> None:
             model.get_submodule(name)
         except AttributeError:
             raise PlanError(f"{type(model).__name__} has no {name}: the plan names HF's Llama layout") from None
-
-
-def require_sdpa(model: nn.Module) -> None:
-    """Under sequence parallel HF builds an attention mask from each rank's 1/TP of the sequence;
-    SDPA with no mask runs is_causal over the gathered sequence instead."""
     if (impl := model.config._attn_implementation) != "sdpa":
         raise PlanError(f"{type(model).__name__} runs attention as {impl!r}; the TP plan needs 'sdpa' (no mask)")
 
@@ -210,10 +204,8 @@ def _attention_input_plan(decoder_layer: str, attention_gather: str) -> dict:
         return {}
     if decoder_layer == "positional":
         return {"self_attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))}
-    return {"self_attn": PrepareModuleInput(  # "stock", as config.py checks
-        input_kwarg_layouts={"hidden_states": Shard(1)},
-        desired_input_kwarg_layouts={"hidden_states": Replicate()},
-    )}
+    return {"self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},  # "stock"
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()})}
 
 
 def apply_ac(model: LlamaForCausalLM, mode: str, selective_option: str, compile_enabled: bool) -> None:
@@ -229,10 +221,9 @@ def apply_compile(model: LlamaForCausalLM, backend: str) -> None:
 
 
 def apply_fsdp(model: LlamaForCausalLM, dp_mesh: DeviceMesh, param_dtype: str, reduce_dtype: str) -> None:
-    """FSDP2: torchtitan 0.2.2's `apply_fsdp` (no PP, "default" reshard) written out, since it
-    hard-codes torchtitan's module names. The embedding, each block, final norm + lm_head as
-    one group (not resharded: backward needs them first; tied, with the embedding), then the root. Gradients keep FSDP's
-    average over the dp ranks, the global mean here (README, "Other launches")."""
+    """FSDP2: torchtitan 0.2.2's `apply_fsdp` (no PP, "default" reshard) on HF names. The embedding, each
+    block, final norm + lm_head as one group (not resharded: backward needs them first; tied, with the
+    embedding), then the root. Gradients keep FSDP's average over the dp ranks (README, "Other launches")."""
     _silence_fsdp_view_output_warning()
     mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=getattr(torch, reduce_dtype))
     fsdp_config = {"mesh": dp_mesh, "mp_policy": mp_policy}

@@ -109,16 +109,14 @@ def dynamo_compile_counts() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], recompiles
 
 
-def compile_cache_counts() -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """(hits, misses, bypasses) of AOTAutograd's and of the FX-graph cache, Dynamo's counters."""
+def describe_compile_caches() -> str:
+    """Hits, misses and bypasses of AOTAutograd's and the FX-graph cache (Dynamo's counters): one
+    phrase for all ranks when they agree, else one per rank."""
     from torch._dynamo.utils import counters
 
-    return tuple(tuple(counters[group][f"{name}_cache_{event}"] for event in ("hit", "miss", "bypass"))
-                 for group, name in (("aot_autograd", "autograd"), ("inductor", "fxgraph")))
+    per_rank = gather_from_ranks(tuple(tuple(counters[group][f"{name}_cache_{e}"] for e in ("hit", "miss", "bypass"))
+                                       for group, name in (("aot_autograd", "autograd"), ("inductor", "fxgraph"))))
 
-
-def describe_compile_caches(per_rank: list) -> str:
-    """One phrase for all ranks when they agree, else one per rank."""
     def text(counts):
         return "; ".join(f"{cache} {hit} hit, {miss} missed" + (f", {bypass} bypassed" if bypass else "")
                          for cache, (hit, miss, bypass) in zip(("AOTAutograd", "FX graph"), counts))
@@ -138,14 +136,14 @@ def log_summary(cfg: dict, run, held_out_loss: float | None, model, optimizer, d
     peaks = gather_from_ranks(peak_memory_mib(device))
     local_state, full_state = params_and_optimizer_mib(model, optimizer)
     states = gather_from_ranks(local_state)
-    caches = gather_from_ranks(compile_cache_counts())
+    caches = describe_compile_caches()
     graphs, recompiles = dynamo_compile_counts()
     notes = ([f"held-out {held_out_loss:.4f}"] if held_out_loss is not None else []) + (
         [f"steps {first}-{last}"] if first > 1 else [])
     log("summary:")
     log(f"  mesh                 {mesh_name(cfg)}")
     log(f"  time to first step   {run.time_to_first_step:.1f} s")
-    log(f"  compile caches       {describe_compile_caches(caches)}")
+    log(f"  compile caches       {caches}")
     log(f"  steady tokens/s      {tokens_per_s:.0f} global (median of steps {last - len(steady) + 1}-{last})")
     log(f"  TFLOPS, MFU          {flops / 1e12:.3f} TFLOP/s of model FLOPs"
         + (f", MFU {flops / peak[0]:.0%} of {peak[1]}" if peak else " (no peak: metrics.measure_cpu_peak = false)"))

@@ -4,13 +4,16 @@
     torchrun --nproc_per_node=4 train.py --parallelism.dp_shard 2    # FSDP 2 x TP 2
     python train.py                                                   # one process
 
-CPU ranks use gloo, GPU ranks nccl; the choice is made from what the machine has.
+Any config key can be overridden, torchtitan-style: --parallelism.dp_shard 2 --training.steps 20.
+A value is read as a TOML literal (2, -1, 8e-4, true, "text"), else as plain text (paths need no
+quotes), and goes through the same checks as the file. CPU ranks use gloo, GPU ranks nccl.
 """
 
 import time
 
 T_START = time.perf_counter()  # time to first step counts the imports too
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -19,7 +22,6 @@ import signal
 import sys
 import sysconfig
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +32,7 @@ from torchtitan.distributed.utils import clip_grad_norm_
 
 import checkpoint
 import report
-from config import USAGE, ConfigError, check_resources, load_config, parse_args, prepare_checkpoint_folder
+from config import ConfigError, check_resources, load_config, parse_args, prepare_checkpoint_folder
 from model import build_model, forward_logits
 from parallelize import build_parallel_dims, parallelize
 
@@ -58,7 +60,7 @@ def main() -> None:
             log(f"checkpoint: step {start_step} is the last of training.steps = {t['steps']}; nothing to train")
             return
 
-        data = batches(train_data, t["local_batch_size"], t["seq_len"], generator, *data_parallel_rank(dp_mesh))
+        data = batches(train_data, t["local_batch_size"], t["seq_len"], generator, dp_mesh)
         run = train_loop(model, optimizer, scheduler, data, range(start_step + 1, t["steps"] + 1), cfg, device,
                          dp_mesh, launch.rank, log, generator=generator)
         if ckpt["last_save_in_hf"]:
@@ -75,26 +77,21 @@ def main() -> None:
 # -----------------------------------------------------------------------------
 # launch: torchrun's environment, the config, the process group
 
-class Launch(NamedTuple):
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node: int  # torchrun's GROUP_RANK: two torchrun agents on one machine count as two nodes
+Launch = collections.namedtuple("Launch", "rank world_size local_rank local_world_size node")
 
 
 def launch_env() -> Launch:
-    """torchrun's variables; without them, one process."""
-    env = lambda name, default: int(os.environ.get(name, default))  # noqa: E731
-    return Launch(env("RANK", 0), env("WORLD_SIZE", 1), env("LOCAL_RANK", 0), env("LOCAL_WORLD_SIZE", 1),
-                  env("GROUP_RANK", 0))
+    """torchrun's variables; without them, one process. The node is GROUP_RANK: two torchrun
+    agents on one machine count as two nodes."""
+    defaults = {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "GROUP_RANK": 0}
+    return Launch(*(int(os.environ.get(name, default)) for name, default in defaults.items()))
 
 
 def config_or_exit(argv: list[str], launch: Launch) -> dict:
     """The checked config, or exit 2 with one line (rank 0), before any process group exists."""
     if {"-h", "--help"} & set(argv):
         if launch.rank == 0:
-            print(__doc__ + "\n" + USAGE)
+            print(__doc__)
         sys.exit(0)
     try:
         path, overrides = parse_args(argv)
@@ -128,11 +125,6 @@ def init_distributed(launch: Launch) -> torch.device:
     return device
 
 
-def data_parallel_rank(dp_mesh) -> tuple[int, int]:
-    """(this rank's index among the data-parallel ranks, their number)."""
-    return (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
-
-
 # -----------------------------------------------------------------------------
 # data: bytes of the Python standard library's own source, on every machine, no download
 
@@ -151,10 +143,10 @@ def load_stdlib_bytes(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.frombuffer(train, dtype=torch.uint8).long(), torch.frombuffer(held_out, dtype=torch.uint8).long()
 
 
-def batches(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator,
-            dp_rank: int = 0, dp_size: int = 1):
+def batches(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator, dp_mesh=None):
     """Endless (inputs, targets) of random windows. Every rank draws the global batch's starts from
     one seeded generator and keeps its dp rank's share: one process with dp_size x batch_size sees it all."""
+    dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
     while True:
         starts = torch.randint(len(data) - seq_len - 1, (batch_size * dp_size,), generator=generator)
         starts = starts[dp_rank * batch_size : (dp_rank + 1) * batch_size]
@@ -181,9 +173,7 @@ def build_optimizer(model, t: dict):
     warmup, steps = t["warmup_steps"], t["steps"]
 
     def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        return max(0.0, 1 - (step - warmup) / max(1, steps - warmup))
+        return (step + 1) / (warmup + 1) if step < warmup else max(0.0, 1 - (step - warmup) / max(1, steps - warmup))
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -200,12 +190,10 @@ def vocab_parallel(logits: torch.Tensor):
 
 def global_mean(value: torch.Tensor, dp_mesh) -> float:
     """A per-rank scalar averaged over the dp ranks: with equal batches, the global-batch mean."""
-    value = value.full_tensor() if isinstance(value, DTensor) else value  # loss_parallel's replicated loss
-    if dp_mesh is None:
-        return value.item()
-    value = value.detach().clone()
-    dist.all_reduce(value, group=dp_mesh.get_group())  # SUM: gloo has no AVG
-    return value.item() / dp_mesh.size()
+    value = (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()  # loss_parallel's: a DTensor
+    if dp_mesh is not None:
+        dist.all_reduce(value, group=dp_mesh.get_group())  # SUM: gloo has no AVG
+    return value.item() / (dp_mesh.size() if dp_mesh is not None else 1)
 
 
 def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forward_logits,
@@ -275,7 +263,6 @@ def note_stop_signals() -> list[int]:
     def note(signum, _frame):
         received.append(signum)
         signal.signal(signum, signal.SIG_DFL)
-
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, note)
     return received
@@ -309,8 +296,7 @@ def evaluate(model, data: torch.Tensor, cfg: dict, device: torch.device, dp_mesh
     """Mean loss on held-out batches (the global batch, split over the dp ranks). Eager, so that
     no_grad, which the compiled blocks were not traced under, compiles no other graph."""
     t = cfg["training"]
-    it = batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"] + 1),
-                 *data_parallel_rank(dp_mesh))
+    it = batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"] + 1), dp_mesh)
     losses = []
     model.eval()
     with torch.compiler.set_stance("force_eager"):
