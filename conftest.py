@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import parallelize
@@ -143,11 +144,14 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
     return result
 
 
-def _rank_main(rank: int, world_size: int, port: int, cfg: dict, out: str, arch: str) -> None:
+def _rank_main(rank: int, world_size: int, port: int, cfg: dict, out: str, arch: str, float64: bool) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     faulthandler.enable(all_threads=True)  # a rank killed by a signal prints every thread's Python stack
     torch.set_num_threads(1)
+    if float64:  # the model in float64, and FSDP's policy keeps it (its float32 one would cast)
+        torch.set_default_dtype(torch.float64)
+        parallelize.MixedPrecisionPolicy = lambda **_: MixedPrecisionPolicy()
     dist.init_process_group("gloo")
     result = run_training(cfg, world_size, arch=arch)
     if rank == 0:
@@ -162,16 +166,16 @@ def free_port() -> int:
 
 
 @functools.cache
-def run_ranks(tmp_root: str, world_size: int, arch: str = "llama", **overrides) -> dict:
+def run_ranks(tmp_root: str, world_size: int, arch: str = "llama", float64: bool = False, **overrides) -> dict:
     """run_training on `world_size` gloo ranks with `small_config(**overrides)`, rank 0's report.
 
     A rank killed by a signal (no Python error: once in CI, a SIGABRT with "terminate called
     without an active exception" while inductor compiled) is run again once, with a warning; a
     Python error in any rank, or a second signal, fails the test."""
-    out = Path(tmp_root) / f"{arch}-{world_size}-{abs(hash(tuple(sorted(overrides.items()))))}.json"
+    out = Path(tmp_root) / f"{arch}-{world_size}-{float64}-{abs(hash(tuple(sorted(overrides.items()))))}.json"
     for attempt in (1, 2):
         try:
-            mp.spawn(_rank_main, args=(world_size, free_port(), small_config(**overrides), str(out), arch),
+            mp.spawn(_rank_main, args=(world_size, free_port(), small_config(**overrides), str(out), arch, float64),
                      nprocs=world_size)
             break
         except mp.ProcessExitedException as e:
@@ -228,9 +232,13 @@ def _losses(out: str) -> list[float]:
 
 
 @functools.cache
-def run_one(**overrides) -> dict:
+def run_one(float64: bool = False, **overrides) -> dict:
     """run_training on this process, eager (one process: no TP, no compile), cached."""
-    return run_training(small_config(**{"compile.enable": False, "parallelism.tp": 1, **overrides}), world_size=1)
+    torch.set_default_dtype(torch.float64 if float64 else torch.float32)
+    try:
+        return run_training(small_config(**{"compile.enable": False, "parallelism.tp": 1, **overrides}), world_size=1)
+    finally:
+        torch.set_default_dtype(torch.float32)
 
 
 GLOBAL_BATCH = {"training.local_batch_size": 2 * DP_SHARD}  # small_config's local batch is 2
