@@ -35,7 +35,7 @@ def test_two_nodes_keep_every_tp_group_inside_one_node():
                 f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=two-nodes")
     cmd = _torchrun_cmd("--parallelism.tp", "2", "--parallelism.dp_shard", "-1", "--training.steps", "4",
                         "--model.num_hidden_layers", "2", "--training.seq_len", "64",
-                        "--training.local_batch_size", "2", launcher=launcher)
+                        "--training.local_batch_size", "2", "--metrics.measure_cpu_peak", "false", launcher=launcher)
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_LOGS="recompiles")
     nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
@@ -140,7 +140,7 @@ def test_fail_on_recompile_stops_the_run_with_dynamos_reason(tmp_path):
     script.write_text(textwrap.dedent(HALF_LENGTH_AFTER_STEP_ONE.format(here=str(HERE))))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            str(script), "--training.steps", "4", "--model.num_hidden_layers", "2", "--training.seq_len", "64",
-           "--training.local_batch_size", "2", "--data.max_bytes", "1000000"]
+           "--training.local_batch_size", "2", "--data.max_bytes", "1000000", "--metrics.measure_cpu_peak", "false"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode != 0
     assert "step   1 | loss" in proc.stdout and "step   2" not in proc.stdout, proc.stdout
@@ -169,7 +169,7 @@ train.main()
 """
 
 QUICK = ("--model.num_hidden_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
-         "--data.max_bytes", "1000000", "--compile.enable", "false")
+         "--data.max_bytes", "1000000", "--compile.enable", "false", "--metrics.measure_cpu_peak", "false")
 
 
 def test_non_finite_loss_stops_at_its_step_and_keeps_the_last_checkpoint(tmp_path):
