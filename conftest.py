@@ -66,6 +66,8 @@ def torch_version() -> tuple[int, int]:
 # 2.10 recompiles per block; 2.11 carries the Dynamo fix (pytorch/pytorch#172519).
 HOOK_GUARD_BUG = torch_version() < (2, 11)
 
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")  # every launched rank prints its stacks on a fatal signal
+
 
 def small_config(**overrides) -> dict:
     """config.toml, shrunk to test size; overrides are {"section.key": value}."""
@@ -213,11 +215,14 @@ ROOT_CAUSE_SIGNAL = re.compile(r"Root Cause \(first observed failure\):.*?exitco
 def again_if_a_rank_died_of_a_signal(launch) -> subprocess.CompletedProcess:
     """run_ranks' rule for torchrun: `launch()` once more, with a warning, when torchrun's first
     failing rank was killed by a signal (its report's "exitcode : -6"), before any checkpoint
-    was saved (a rerun then starts the same). The cause of CI's one SIGABRT is unknown (RESULTS.md, faults)."""
+    was saved (a rerun then starts the same). The warning carries what the dead rank printed
+    (faulthandler's stacks, PYTHONFAULTHANDLER): CI's SIGABRT's cause is unknown (RESULTS.md, faults)."""
     proc = launch()
     out = proc.stdout + (proc.stderr or "")
     if proc.returncode != 0 and (died := ROOT_CAUSE_SIGNAL.search(out)) and "checkpoint: saved" not in out:
-        warnings.warn(f"a torchrun rank died of {signal.Signals(int(died.group(1))).name}; running it again")
+        evidence = [line for line in out.splitlines() if re.search(r"terminate|Fatal Python|[Tt]hread 0x|  File ", line)]
+        warnings.warn(f"a torchrun rank died of {signal.Signals(int(died.group(1))).name}; running it again. "
+                      "It printed:\n" + "\n".join(evidence[:60]))
         proc = launch()
     return proc
 
