@@ -135,6 +135,7 @@ def test_summary_flops_per_token_are_torchtitans_for_the_debugmodel():
 
 LOSS_PARALLEL_OFF = {"parallelism.loss_parallel": False}
 EAGER = {"compile.enable": False}
+TIED = {"model.tie_word_embeddings": True}
 
 
 def test_loss_parallel_keeps_logits_sharded_with_the_replicated_numbers(tmp_root):
@@ -149,21 +150,20 @@ def test_loss_parallel_keeps_logits_sharded_with_the_replicated_numbers(tmp_root
     assert sharded["losses"] == pytest.approx(run_one()["losses"], abs=1e-5)
 
 
-def test_in_float64_tp_and_2d_with_loss_parallel_equal_one_process(tmp_root):
+def test_in_float64_tp_and_tied_2d_with_loss_parallel_equal_one_process(tmp_root):
     """The float32 tests' 1e-4 on gradient norms is rounding, not a difference: in float64 (eager;
-    the loss itself stays float32, as torchtitan's) TP 2 and dp_shard 2 x tp 2, with loss parallel,
-    give one process's losses to 1e-6 and gradient norms to 1e-7 (measured: 4.8e-7, 9.1e-9;
-    float32's norms: 4.2e-5)."""
-    single = run_one(float64=True, **GLOBAL_BATCH)
-    for name, r in (("TP 2", run_tp(tmp_root, float64=True, **GLOBAL_BATCH, **EAGER)),
-                    ("dp_shard 2 x tp 2", run_2d(tmp_root, float64=True, **EAGER))):
+    the loss itself stays float32, as torchtitan's) TP 2, and dp_shard 2 x tp 2 with tied
+    embeddings, both with loss parallel, give one process's losses to 1e-6 and gradient norms to
+    1e-7 (measured: 4.8e-7, and 9.1e-9 on TP 2, 7.3e-9 tied on 2D; float32 TP 2: 4.2e-5)."""
+    for name, tied, r in (("TP 2", {}, run_tp(tmp_root, float64=True, **GLOBAL_BATCH, **EAGER)),
+                          ("tied dp_shard 2 x tp 2", TIED, run_2d(tmp_root, float64=True, **TIED, **EAGER))):
+        single = run_one(float64=True, **tied, **GLOBAL_BATCH)
         assert r["error"] is None and r["logits"] == ["(Shard(dim=2),)"], (name, r["error"], r["logits"])
-        assert r["forward_dtypes"] == ["torch.float64"], name
+        assert r["forward_dtypes"] == ["torch.float64"] and r["tied"] == single["tied"] == bool(tied), name
         assert r["losses"] == pytest.approx(single["losses"], abs=1e-6), name
         assert r["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-7), name
 
 
-TIED = {"model.tie_word_embeddings": True}
 
 
 def test_tied_embeddings_share_one_parameter_through_tp_and_fsdp_with_the_one_process_numbers(tmp_root):
