@@ -1,0 +1,105 @@
+"""Whether each library workaround in parallelize.py is still needed on the installed torch:
+each test shows what happens without one, and fails once the library no longer needs it.
+The other two: test_caches.py (keep_device_mesh_hash_out_of_pickles) and test_readme.py
+(the embedding's clone, materialize_embedding_output). RESULTS.md has all five by torch version.
+"""
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torchtitan.distributed.parallel_dims
+import torchtitan.tools.utils
+from torch.distributed.tensor import distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torchtitan.config.job_config import ActivationCheckpoint as ACConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed.activation_checkpoint import apply_ac as titan_apply_ac
+from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
+
+import parallelize
+from conftest import small_config
+from model import build_model, forward_logits
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine torchtitan's default device is right")
+def test_without_the_device_type_workaround_torchtitan_builds_a_cuda_mesh_on_a_cpu_machine(monkeypatch):
+    """parallelize._set_titan_mesh_device_type (torchtitan 0.2.2): its ParallelDims builds on the
+    module-level device_type, "cuda" without a GPU, and the first DTensor on that mesh fails."""
+    monkeypatch.setattr(torchtitan.distributed.parallel_dims, "device_type", torchtitan.tools.utils.device_type)
+    with one_rank_group():
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+        dims.build_mesh()
+        assert dims.world_mesh.device_type == "cuda"
+        with pytest.raises(RuntimeError):
+            distribute_tensor(torch.ones(2), dims.world_mesh)
+        parallelize._set_titan_mesh_device_type("cpu")
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+        dims.build_mesh()
+        assert distribute_tensor(torch.ones(2), dims.world_mesh).device.type == "cpu"
+
+
+SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _sdpa_calls_with_op_sac(save_list: set) -> int:
+    """CPU SDPA kernel calls in one eager forward + backward of a 2-block model under op-level SAC."""
+    calls = []
+
+    class CountSDPA(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is SDPA_CPU:
+                calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = build_model(small_config(**{"model.num_hidden_layers": 2})["model"])
+    titan_apply_ac(model.model, ACConfig(mode="selective", selective_ac_option="op"), model_compile_enabled=False,
+                   op_sac_save_list=save_list)
+    with CountSDPA():
+        forward_logits(model, torch.randint(0, 256, (2, 64))).float().pow(2).mean().backward()
+    return len(calls)
+
+
+def test_without_the_cpu_sdpa_op_selective_ac_runs_attention_again_in_backward():
+    """parallelize.OP_SAC_SAVE_LIST (torchtitan 0.2.2): its save list names only the CUDA SDPA
+    kernels, so on CPU op-level SAC recomputes attention in backward."""
+    assert _sdpa_calls_with_op_sac(parallelize.OP_SAC_SAVE_LIST) == 2, "one forward call per block, kept"
+    assert _sdpa_calls_with_op_sac(_op_sac_save_list) == 4, "each block's attention runs again in backward"
+
+
+def test_without_the_filter_fsdp_warns_that_replicated_logits_are_a_view(monkeypatch):
+    """parallelize._silence_fsdp_view_output_warning (torch 2.14.1, 2.15.0): with loss parallel
+    off, TP's all-gathered logits are a view, and FSDP2 warns on every rank at every step. A
+    (1, 1) mesh on one process is enough to see it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    silence = parallelize._silence_fsdp_view_output_warning
+    monkeypatch.setattr(parallelize, "_silence_fsdp_view_output_warning", lambda: None)
+    with one_rank_group(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # filters go back as they were on leaving
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        model = build_model(small_config(**{"model.num_hidden_layers": 1})["model"])
+        parallelize.apply_tp(model, mesh["tp"], "positional", "pre_hook", loss_parallel=False)
+        parallelize.apply_fsdp(model, mesh["dp"], "float32", "float32")
+
+        def view_warnings() -> list[str]:
+            caught.clear()
+            forward_logits(model, torch.randint(0, 256, (2, 64))).sum().backward()
+            return [str(w.message).split(" returned")[0] for w in caught if "returned a view tensor" in str(w.message)]
+
+        assert view_warnings() == ["FSDP2-wrapped module (FSDPLlamaRMSNorm, FSDPLinear)",
+                                   "FSDP2-wrapped module (FSDPLlamaForCausalLM)"]
+        silence()
+        assert view_warnings() == []
