@@ -242,10 +242,11 @@ def apply_fsdp(model: LlamaForCausalLM, dp_mesh: DeviceMesh, param_dtype: str, r
 
 
 def keep_device_mesh_hash_out_of_pickles() -> None:
-    """Workaround, torch 2.14.1 and 2.15.0: AOTAutograd's cache key pickles the TP `DeviceMesh`,
-    whose state keeps `_hash`, a per-process `hash()`, so every TP restart missed the compile
-    caches. Unpickled meshes recompute it; the key keeps the rank. No upstream issue found;
-    related: pytorch/pytorch#173526, #188390 (fixed by #188401). test_caches.py says when to drop it."""
+    """Workaround, torch 2.14.1 and 2.15.0 (on 2.10.0 and 2.11.0 TP graphs miss or bypass AOTAutograd's
+    cache either way): its key pickles the TP `DeviceMesh`, whose state keeps `_hash`, a per-process
+    `hash()`, so every TP restart missed. Unpickled meshes recompute it; the key keeps the rank. No
+    upstream issue found; related: pytorch/pytorch#173526, #188390 (fixed by #188401). test_caches.py
+    says when to drop it."""
     original = DeviceMesh.__getstate__
     if getattr(original, "keeps_hash_out", False):
         return
@@ -260,23 +261,26 @@ def keep_device_mesh_hash_out_of_pickles() -> None:
 
 
 def _set_titan_mesh_device_type(device_type: str) -> None:
-    """Workaround, torchtitan 0.2.2: `ParallelDims.build_mesh` uses the module-level
-    `torchtitan.tools.utils.device_type`, "cuda" on a machine without a GPU."""
+    """Workaround, torchtitan 0.2.2 on torch 2.10.0 to 2.15.0: `ParallelDims.build_mesh` uses the
+    module-level `torchtitan.tools.utils.device_type`, "cuda" on a machine without a GPU."""
     torchtitan.distributed.parallel_dims.device_type = device_type
 
 
 def materialize_embedding_output(embedding: nn.Module) -> None:
-    """Workaround, torch 2.13-2.14: the TP embedding's output is an `AsyncCollectiveTensor`;
-    fed to block 0 it costs one extra graph and AOTAutograd's backward fails (`'Tensor' object
-    has no attribute '_local_tensor'`). A clone waits for it and hands every block a plain tensor."""
+    """Workaround, every torch measured (2.10.0, 2.11.0, 2.14.1, 2.15.0): the TP embedding's output
+    is an `AsyncCollectiveTensor`; fed to block 0 it costs one extra graph, and from 2.14.1 AOTAutograd's
+    backward fails (`'Tensor' object has no attribute '_local_tensor'`). A clone waits for it and
+    hands every block a plain tensor. test_readme.py says when to drop it."""
     embedding.register_forward_hook(lambda _module, _inputs, output: output.clone())
 
 
-# Workaround, torchtitan 0.2.2: its op-level selective-AC save list names only the CUDA SDPA kernels.
+# Workaround, torchtitan 0.2.2 on torch 2.10.0 to 2.15.0: its op-level selective-AC save list names
+# only the CUDA SDPA kernels, so attention ran again in backward on CPU (test_workarounds.py).
 OP_SAC_SAVE_LIST = _op_sac_save_list | {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
 def _silence_fsdp_view_output_warning() -> None:
-    """Workaround, torch 2.14: FSDP2 warns on every rank that a module returned a view (an
-    in-place op on it would skip a hook). The views are the logits, which only the loss reads."""
+    """Workaround, torch 2.14.1 and 2.15.0 (2.10.0 and 2.11.0 have no such warning): with loss parallel
+    off, FSDP2 warns on every rank and step that a module returned a view (an in-place op on it would
+    skip a hook). The views are TP's all-gathered logits, which only the loss reads."""
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")

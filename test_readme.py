@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, loss_parallel, parallelize_module)
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import HERE, NUM_BLOCKS, STEPS, TP, free_port, run_tp, small_config
+from conftest import HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, free_port, run_tp, small_config
 
 EMBEDDING_LINE = "    model.model.embed_tokens.register_forward_hook(lambda _m, _i, out: out.clone())\n"
 
@@ -35,12 +35,14 @@ def readme_blocks(readme: str) -> dict[str, str]:
 
 
 def recipes() -> dict[str, str]:
-    """What the trainer runs: each recipe with the `both` block, and recipe A without the
-    embedding line, which says on the installed torch whether that line is still needed."""
+    """What the trainer runs: each recipe with the `both` block, and (on the pinned torch)
+    recipe A without the embedding line, which says whether that line is still needed."""
     blocks = readme_blocks((HERE / "README.md").read_text())
     assert set(blocks) == {"recipe-a", "recipe-b", "both"}, f"README's recipe blocks: {sorted(blocks)}"
-    return {"A": blocks["recipe-a"] + blocks["both"], "B": blocks["recipe-b"] + blocks["both"],
-            "A without the embedding line": blocks["recipe-a"].replace(EMBEDDING_LINE, "") + blocks["both"]}
+    codes = {"A": blocks["recipe-a"] + blocks["both"], "B": blocks["recipe-b"] + blocks["both"]}
+    if not HOOK_GUARD_BUG:  # CI time: on torch 2.10.0 too block 0 compiles its own graph (RESULTS.md)
+        codes["A without the embedding line"] = blocks["recipe-a"].replace(EMBEDDING_LINE, "") + blocks["both"]
+    return codes
 
 
 def run_block(code: str) -> dict:
@@ -151,7 +153,6 @@ def test_readme_recipe_compiles_one_graph_with_the_trainers_numbers(tmp_root, re
     assert r["grad_norms"] == pytest.approx(trainer["grad_norms"], rel=1e-5)
 
 
-@pytest.mark.recompile_proof
 def test_without_the_embedding_line_recipe_a_fails(tmp_root):
     """Block 0 gets the TP embedding's AsyncCollectiveTensor and a graph of its own (on 2.14.1 and
     2.15.0, then a crash in backward). The test of parallelize.materialize_embedding_output: when
