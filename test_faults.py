@@ -5,9 +5,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+import types
+from pathlib import Path
 
 import pytest
 
+from checkpoint import checkpoint_state
 from conftest import HERE, free_port
 from test_checkpoint import SMALL, _children, _ckpt_args, _launch, _step_values, _train, uninterrupted
 
@@ -109,29 +113,47 @@ def test_no_room_for_one_checkpoint_is_a_config_error(tmp_path):
     assert "step " not in proc.stdout and "TP groups" not in proc.stdout, "before any process group"
 
 
-def _signalled_after(nproc: int, args: list[str], line: str, to_worker: bool = False) -> str:
-    """Start training; SIGTERM torchrun (which passes it to every rank), or only the last rank,
-    once rank 0 logs `line`."""
+def _send_sigterm(proc: subprocess.Popen, to: str) -> None:
+    """"torchrun": its process alone; "group": its session's group (os.killpg), which torchrun's
+    workers, in sessions of their own, are not in; "every process": torchrun and each rank, as
+    SLURM's scancel and time limit signal a job step; "one rank": the last."""
+    workers = _children(proc.pid)
+    if to == "group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    for pid in {"torchrun": [proc.pid], "every process": [proc.pid, *workers], "one rank": workers[-1:]}.get(to, []):
+        os.kill(pid, signal.SIGTERM)
+
+
+def _signalled_after(nproc: int, args: list[str], line: str, to: str, times: int = 1) -> str:
+    """Start training; once rank 0 logs `line`, SIGTERM `to` (_send_sigterm), `times` times 0.1 s apart."""
     proc = _launch(nproc, args)
     lines = []
     for text in proc.stdout:
         lines.append(text)
         if text.startswith(line):
-            os.kill(_children(proc.pid)[-1] if to_worker else proc.pid, signal.SIGTERM)
+            for i in range(times):
+                time.sleep(0.1 * (i > 0))
+                _send_sigterm(proc, to)
             break
-    out = _finish(proc, lines)
+    out = _finish(proc, lines)  # the pipe closes once every rank has exited
     assert proc.returncode != 0, out[-3000:]
     return out
 
 
-def test_sigterm_saves_the_step_every_rank_finished_and_resumes_exactly(tmp_root, tmp_path):
-    full, _ = uninterrupted(tmp_root, 2, 1)
-    folder = tmp_path / "ckpt"
-    out = _signalled_after(2, _ckpt_args(folder), "step   7 ")
+def _stop_step(out: str, folder: Path) -> int:
+    """The step after which every rank stopped, its checkpoint saved and complete."""
     [line] = _our_lines(out, "stopped by ")
     stop = int(line.split("after step ")[1].split(";")[0])
     assert line == f"stopped by SIGTERM after step {stop}; saved {folder / f'step-{stop}'}", line
     assert 7 <= stop < 20 and max(_step_values(out)) == stop, out[-3000:]
+    assert checkpoint_state(folder / f"step-{stop}") == "complete", "every rank wrote its shards"
+    return stop
+
+
+def test_a_group_sigterm_saves_the_step_every_rank_finished_and_resumes_exactly(tmp_root, tmp_path):
+    full, _ = uninterrupted(tmp_root, 2, 1)
+    folder = tmp_path / "ckpt"
+    stop = _stop_step(_signalled_after(2, _ckpt_args(folder), "step   7 ", to="group"), folder)
     resumed = _train(2, _ckpt_args(folder))
     assert f"checkpoint: loaded step {stop} from {folder / f'step-{stop}'}" in resumed, resumed[-3000:]
     for name in ("loss", "grad norm"):
@@ -139,8 +161,39 @@ def test_sigterm_saves_the_step_every_rank_finished_and_resumes_exactly(tmp_root
         assert _step_values(resumed, name) == pytest.approx(expected, abs=1e-6, rel=0), name
 
 
+def test_sigterm_to_every_process_twice_is_one_stop(tmp_path):
+    """Each rank gets 4 copies in 0.1 s (two direct, two from torchrun; torchrun itself ends at
+    its second, with a traceback): one request (train.ONE_REQUEST_S), saved as one."""
+    folder = tmp_path / "ckpt"
+    _stop_step(_signalled_after(2, _ckpt_args(folder, *EAGER), "step   7 ", to="every process", times=2), folder)
+
+
+def test_copies_within_the_window_are_one_request_and_a_later_signal_ends_at_once(monkeypatch):
+    """train.note_stop_signals' handler, called as a signal calls it, on a clock the test sets."""
+    import train
+
+    now, ended = [100.0], []
+    monkeypatch.setattr(train, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(train.signal, "raise_signal", ended.append)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        received = train.note_stop_signals()
+        note = signal.getsignal(signal.SIGTERM)
+        for dt in (0.0, 0.01, 0.1, train.ONE_REQUEST_S):
+            now[0] = 100.0 + dt
+            note(signal.SIGTERM, None)
+        assert received == [signal.SIGTERM] * 4 and not ended, "copies within the window: one request"
+        assert signal.getsignal(signal.SIGTERM) is note
+        now[0] = 100.0 + train.ONE_REQUEST_S + 0.01
+        note(signal.SIGINT, None)
+        assert ended == [signal.SIGINT] and signal.getsignal(signal.SIGINT) == signal.SIG_DFL, "after it: at once"
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
 def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_checkpoints_off():
-    out = _signalled_after(2, [*SMALL, *EAGER, "--training.steps", "500"], "step   3 ", to_worker=True)
+    out = _signalled_after(2, [*SMALL, *EAGER, "--training.steps", "500"], "step   3 ", to="one rank")
     [line] = _our_lines(out, "stopped by ")
     stop = int(line.split("after step ")[1].split(";")[0])
     assert line == f"stopped by SIGTERM after step {stop}; checkpoints are off: nothing saved", line

@@ -121,8 +121,22 @@ def init_distributed(launch: Launch) -> torch.device:
     if cuda:
         torch.cuda.set_device(device)
     if launch.world_size > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
+                                **store_for_this_restart(launch))
     return device
+
+
+def store_for_this_restart(launch: Launch) -> dict:
+    """After a `torchrun --max-restarts` restart, init_process_group's store under a prefix of its own.
+    The agent's TCPStore keeps the failed attempt's keys, so the new ranks read the dead ones'
+    addresses (gloo: `connectFullMesh failed ... Connection refused`; nccl reads a stale unique id
+    the same way). Measured on torch 2.10.0 and 2.15.0; pytorch/pytorch#167288. One node only, where every
+    rank has the same TORCHELASTIC_RESTART_COUNT (several: README, TORCH_DISABLE_SHARE_RDZV_TCP_STORE)."""
+    env, restart = os.environ, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or launch.world_size != launch.local_world_size:
+        return {}
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), launch.world_size, is_master=False)
+    return {"store": dist.PrefixStore(f"restart-{restart}", store), "rank": launch.rank, "world_size": launch.world_size}
 
 
 # -----------------------------------------------------------------------------
@@ -255,14 +269,22 @@ def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, devic
     return run
 
 
+ONE_REQUEST_S = 1.0  # copies of one signal: SLURM signals every process, torchrun forwards its copy 0-14 ms later
+
+
 def note_stop_signals() -> list[int]:
     """SIGTERM and SIGINT (a scheduler's pre-emption, Ctrl-C) are noted, for train_loop to stop
-    after the step in progress; a second one meets the default handler and ends the process at once."""
-    received = []
+    after the step in progress. Those within ONE_REQUEST_S of the first are one request; a signal
+    after that ends the process at once, as the default handler does."""
+    received, first = [], None
 
     def note(signum, _frame):
+        nonlocal first
+        first = first or time.monotonic()
+        if time.monotonic() - first > ONE_REQUEST_S:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
         received.append(signum)
-        signal.signal(signum, signal.SIG_DFL)
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, note)
     return received
