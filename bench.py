@@ -77,7 +77,8 @@ def build_titan(cfg: dict, device):
     from torchtitan.models.llama3.infra.parallelize import apply_ac, apply_compile, apply_tp
 
     from model import build_model
-    from parallelize import OP_SAC_SAVE_LIST, build_parallel_dims, materialize_embedding_output
+    from parallelize import build_parallel_dims
+    from workarounds import OP_SAC_SAVE_LIST, materialize_embedding_output
     from train import build_optimizer
 
     t = cfg["training"]

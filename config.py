@@ -32,7 +32,7 @@ SCHEMA = {  # every key and its type, in config.toml's order
                        initial_load_path=str, initial_load_in_hf=bool, last_save_in_hf=bool),
 }
 
-ATTENTION_GATHERS = ("pre_hook", "norm_output")  # parallelize._attention_input_plan
+ATTENTION_GATHERS = ("pre_hook", "norm_output")  # parallelize.block_plan
 DTYPES = ("float32", "bfloat16")  # what FSDP2's MixedPrecisionPolicy gets, as torchtitan allows
 
 

@@ -1,6 +1,6 @@
 """Warm restarts: a second TP run with the same compile cache loads its graph from the
 AOTAutograd and FX-graph caches on every rank, each rank only its own entries, and without
-`parallelize.keep_device_mesh_hash_out_of_pickles` it would miss (the test that says when the
+`workarounds.keep_device_mesh_hash_out_of_pickles` it would miss (the test that says when the
 workaround can go)."""
 
 import os
@@ -21,9 +21,9 @@ WITHOUT_WORKAROUND = """
 import sys
 sys.path.insert(0, {here!r})
 import train
-import parallelize
+import workarounds
 
-parallelize.keep_device_mesh_hash_out_of_pickles = lambda: None
+workarounds.keep_device_mesh_hash_out_of_pickles = lambda: None
 train.main()
 """
 
@@ -92,7 +92,7 @@ def test_second_tp_run_hits_the_compile_caches_each_rank_its_own(cache_dir, cold
 def test_without_the_mesh_hash_workaround_a_second_tp_run_misses(cache_dir, cold, tmp_path):
     """A run without the workaround after `cold`, which wrote the entries it would hit: the
     workaround only drops `_hash` from the key. When this fails, the installed torch keys its
-    caches stably by itself: remove parallelize.keep_device_mesh_hash_out_of_pickles."""
+    caches stably by itself: remove workarounds.keep_device_mesh_hash_out_of_pickles."""
     second = _run(cache_dir, tmp_path, workaround=False)
     assert re.fullmatch(r"AOTAutograd 0 hit, [1-9]\d* missed; .* on every rank", _summary(second, "compile caches")), \
         second.stdout

@@ -98,7 +98,7 @@ def _assert_one_graph(out: str) -> None:
 
 def test_a_killed_rank_restarts_by_itself_with_the_uninterrupted_numbers(tmp_root, tmp_path, nproc=2, dp_shard=1):
     """torchrun --max-restarts 1: kill -9 of one rank after step 10's save, and the agent's new
-    group (train.store_for_this_restart) resumes from step 10 and finishes. On TP 2;
+    group (workarounds.store_for_this_restart) resumes from step 10 and finishes. On TP 2;
     test_tp_checkpoint_resumes_on_four_ranks loads its saves on 2D."""
     full, full_folder = uninterrupted(tmp_root, nproc, dp_shard)
     assert sorted(p.name for p in full_folder.iterdir()) == ["step-15", "step-20", "step-20-hf"], "keep_latest_k 2"

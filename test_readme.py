@@ -155,7 +155,7 @@ def test_readme_recipe_compiles_one_graph_with_the_trainers_numbers(tmp_root, re
 
 def test_without_the_embedding_line_recipe_a_fails(tmp_root):
     """Block 0 gets the TP embedding's AsyncCollectiveTensor and a graph of its own (on 2.14.1 and
-    2.15.0, then a crash in backward). The test of parallelize.materialize_embedding_output: when
+    2.15.0, then a crash in backward). The test of workarounds.materialize_embedding_output: when
     this fails, the installed torch hands block 0 a plain tensor by itself."""
     r = run_recipes(tmp_root)["A without the embedding line"]
     assert r["graphs"] == 2, f"block 0 should compile a graph of its own: {r}"

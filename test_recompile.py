@@ -28,7 +28,8 @@ from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, free_port, ru
                       small_config)
 from config import validate
 from model import PositionalLlamaDecoderLayer, build_model, forward_logits
-from parallelize import apply_tp, refuse_unplanned_parameters
+from family_plan import refuse_unplanned_parameters
+from parallelize import apply_tp
 from reach import build_family
 from survey import markdown_table, survey_attention_calls
 
@@ -192,8 +193,8 @@ def _norm_gradients_main(rank: int, port: int, out: str) -> None:
     planned, grads = parallelize.block_plan, {}
     for variant in ("planned", "unplanned"):
         if variant == "unplanned":
-            parallelize.block_plan = lambda block, *args: {
-                name: style for name, style in planned(block, *args).items() if name not in BLOCK_NORMS}
+            parallelize.block_plan = lambda *args: {
+                name: style for name, style in planned(*args).items() if name not in BLOCK_NORMS}
             parallelize.refuse_unplanned_parameters = lambda *args: None
         torch.manual_seed(0)
         model = build_family("gemma3_text", cfg["model"])
@@ -343,3 +344,18 @@ def test_device_maps_keep_each_vendored_layer_whole():
 # the trainer itself --------------------------------------------------------
 
 
+
+
+@pytest.mark.parametrize("attention_gather", ["pre_hook", "norm_output"])
+def test_the_derived_plan_of_a_llama_block_is_the_literal_llama_plan(attention_gather):
+    """family_plan.block_plan, which plans every other family, derives parallelize.LLAMA_BLOCK_PLAN
+    (but self_attn's entry) for Llama's blocks: the same names, style types and layouts."""
+    import family_plan
+    import parallelize
+
+    def described(plan: dict) -> dict:
+        return {name: (type(style).__name__, vars(style)) for name, style in plan.items()}
+
+    block = build_model(small_config()["model"]).model.layers[0]
+    literal = {name: style for name, style in parallelize.LLAMA_BLOCK_PLAN.items() if name != "self_attn"}
+    assert described(family_plan.block_plan(block, attention_gather)) == described(literal)

@@ -1,7 +1,7 @@
-"""Whether each library workaround (parallelize.py's, and train.store_for_this_restart) is still
-needed on the installed torch: each test shows what happens without one, and fails once the library
-no longer needs it. Two more: test_caches.py (keep_device_mesh_hash_out_of_pickles) and
-test_readme.py (the embedding's clone, materialize_embedding_output). RESULTS.md has them by torch version.
+"""Whether each library workaround in workarounds.py is still needed on the installed torch:
+each test shows what happens without one, and fails once the library no longer needs it. Two
+more: test_caches.py (keep_device_mesh_hash_out_of_pickles) and test_readme.py (the embedding's
+clone, materialize_embedding_output). RESULTS.md has them by torch version.
 """
 
 import contextlib
@@ -23,6 +23,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac as titan_apply
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 
 import parallelize
+import workarounds
 from conftest import free_port, small_config
 from model import build_model, forward_logits
 
@@ -38,7 +39,7 @@ def one_rank_group():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine torchtitan's default device is right")
 def test_without_the_device_type_workaround_torchtitan_builds_a_cuda_mesh_on_a_cpu_machine(monkeypatch):
-    """parallelize._set_titan_mesh_device_type (torchtitan 0.2.2): its ParallelDims builds on the
+    """workarounds.set_titan_mesh_device_type (torchtitan 0.2.2): its ParallelDims builds on the
     module-level device_type, "cuda" without a GPU: building the mesh or its first DTensor fails."""
     def first_dtensor():
         dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
@@ -50,7 +51,7 @@ def test_without_the_device_type_workaround_torchtitan_builds_a_cuda_mesh_on_a_c
         # torch 2.10.0: ZeroDivisionError in init_device_mesh; from 2.11.0: "Found no NVIDIA driver"
         with pytest.raises((RuntimeError, ZeroDivisionError)):
             first_dtensor()
-        parallelize._set_titan_mesh_device_type("cpu")
+        workarounds.set_titan_mesh_device_type("cpu")
         assert first_dtensor().device.type == "cpu"
 
 
@@ -77,20 +78,20 @@ def _sdpa_calls_with_op_sac(save_list: set) -> int:
 
 
 def test_without_the_cpu_sdpa_op_selective_ac_runs_attention_again_in_backward():
-    """parallelize.OP_SAC_SAVE_LIST (torchtitan 0.2.2): its save list names only the CUDA SDPA
+    """workarounds.OP_SAC_SAVE_LIST (torchtitan 0.2.2): its save list names only the CUDA SDPA
     kernels, so on CPU op-level SAC recomputes attention in backward."""
-    assert _sdpa_calls_with_op_sac(parallelize.OP_SAC_SAVE_LIST) == 2, "one forward call per block, kept"
+    assert _sdpa_calls_with_op_sac(workarounds.OP_SAC_SAVE_LIST) == 2, "one forward call per block, kept"
     assert _sdpa_calls_with_op_sac(_op_sac_save_list) == 4, "each block's attention runs again in backward"
 
 
 def test_without_the_filter_fsdp_warns_that_replicated_logits_are_a_view(monkeypatch):
-    """parallelize._silence_fsdp_view_output_warning (torch 2.14.1, 2.15.0): with loss parallel
+    """workarounds.silence_fsdp_view_output_warning (torch 2.14.1, 2.15.0): with loss parallel
     off, TP's all-gathered logits are a view, and FSDP2 warns on every rank at every step. A
     (1, 1) mesh on one process is enough to see it."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    silence = parallelize._silence_fsdp_view_output_warning
-    monkeypatch.setattr(parallelize, "_silence_fsdp_view_output_warning", lambda: None)
+    silence = workarounds.silence_fsdp_view_output_warning
+    monkeypatch.setattr(workarounds, "silence_fsdp_view_output_warning", lambda: None)
     with one_rank_group(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # filters go back as they were on leaving
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
@@ -126,7 +127,7 @@ print(f"rank {rank} after a restart finds the first attempt's keys: {store.check
 
 
 def test_without_the_restart_store_a_restarted_group_meets_the_failed_attempts_keys(tmp_path):
-    """train.store_for_this_restart (torch 2.10.0, 2.15.0): torchrun --max-restarts starts the
+    """workarounds.store_for_this_restart (torch 2.10.0, 2.15.0): torchrun --max-restarts starts the
     group again in the agent's TCPStore, where the failed attempt's keys are still there: gloo
     may then read the dead ranks' addresses (RESULTS.md: 3 of 6 restarts refused, 1 hung). With
     the workaround: test_a_killed_rank_restarts_by_itself_with_the_uninterrupted_numbers."""

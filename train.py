@@ -35,6 +35,7 @@ import report
 from config import ConfigError, check_resources, load_config, parse_args, prepare_checkpoint_folder
 from model import build_model, forward_logits
 from parallelize import build_parallel_dims, parallelize
+from workarounds import store_for_this_restart
 
 
 def main() -> None:
@@ -124,19 +125,6 @@ def init_distributed(launch: Launch) -> torch.device:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
                                 **store_for_this_restart(launch))
     return device
-
-
-def store_for_this_restart(launch: Launch) -> dict:
-    """After a `torchrun --max-restarts` restart, init_process_group's store under a prefix of its own.
-    The agent's TCPStore keeps the failed attempt's keys, so the new ranks read the dead ones'
-    addresses (gloo: `connectFullMesh failed ... Connection refused`; nccl reads a stale unique id
-    the same way). Measured on torch 2.10.0 and 2.15.0; pytorch/pytorch#167288. One node only, where every
-    rank has the same TORCHELASTIC_RESTART_COUNT (several: README, TORCH_DISABLE_SHARE_RDZV_TCP_STORE)."""
-    env, restart = os.environ, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if restart == "0" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or launch.world_size != launch.local_world_size:
-        return {}
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), launch.world_size, is_master=False)
-    return {"store": dist.PrefixStore(f"restart-{restart}", store), "rank": launch.rank, "world_size": launch.world_size}
 
 
 # -----------------------------------------------------------------------------
