@@ -1,5 +1,5 @@
-"""Shared by the tests: the shrunk config, training on gloo ranks through the trainer's own
-builders, torchrun launches, and the `recompile_proof` marker.
+"""Shared by the tests: harness.py's training on gloo ranks, cached; torchrun launches; and the
+`recompile_proof` marker.
 
 Multi-rank cases run gloo ranks on CPU (torch.multiprocessing.spawn): 2 for TP, 4 for
 dp_shard 2 x tp 2, through the real builders: parallelize.build_parallel_dims, train.build_training
@@ -13,10 +13,8 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import tomllib
 import warnings
 from pathlib import Path
 
@@ -25,13 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 
 import parallelize
-import report
-import train
-from config import validate
-from reach import build_family
+from harness import HERE, NUM_BLOCKS, STEPS, free_port, run_training, small_config  # noqa: F401 (the tests import them here)
 
 
 def pytest_configure(config):
@@ -45,19 +39,8 @@ def tmp_root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("runs"))
 
 
-HERE = Path(__file__).parent
 TP = 2
 DP_SHARD = 2
-STEPS = 3
-# More blocks than Dynamo's recompile_limit, so that on a torch with the hook-guard bug the
-# stock layer runs into the limit, as a real model's 32 blocks run into the default 8. The limit
-# is lowered to 2 here (in this process and, as the module is imported again, in every spawned
-# rank): the bug is the same, and each recompile the stock layer makes on torch 2.10.0 costs a
-# whole block compile, 4 ranks on 2 cores.
-torch._dynamo.config.recompile_limit = 2
-NUM_BLOCKS = torch._dynamo.config.recompile_limit + 2
-
-
 def torch_version() -> tuple[int, int]:
     return tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 
@@ -67,83 +50,6 @@ def torch_version() -> tuple[int, int]:
 HOOK_GUARD_BUG = torch_version() < (2, 11)
 
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")  # every launched rank prints its stacks on a fatal signal
-
-
-def small_config(**overrides) -> dict:
-    """config.toml, shrunk to test size; overrides are {"section.key": value}."""
-    with open(HERE / "config.toml", "rb") as f:
-        cfg = tomllib.load(f)
-    cfg["model"]["num_hidden_layers"] = NUM_BLOCKS
-    cfg["training"].update(steps=STEPS, local_batch_size=2, seq_len=64)
-    cfg["data"].update(max_bytes=1_000_000, eval_batches=1)
-    for dotted, value in overrides.items():
-        section, key = dotted.split(".")
-        cfg[section][key] = value
-    return cfg
-
-
-def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: str = "llama") -> dict:
-    """Train training.steps steps with the trainer's own functions; report global-mean losses,
-    gradient norms before clipping, and what Dynamo saw. `arch` other than "llama": that
-    transformers model_type (reach.build_family), parallelized by the same code."""
-    from torch._dynamo.utils import guard_failures
-
-    validate(cfg, world_size)
-    data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
-    t = cfg["training"]
-    parallel_dims = parallelize.build_parallel_dims(cfg, world_size, device.type)
-    dp_mesh = parallel_dims.get_optional_mesh("batch") if parallel_dims else None
-    if arch == "llama":
-        model, optimizer, scheduler = train.build_training(cfg, device, parallel_dims)
-    else:
-        torch.manual_seed(t["seed"])
-        model = build_family(arch, cfg["model"]).to(device)
-        parallelize.parallelize(model, parallel_dims, cfg)
-        optimizer, scheduler = train.build_optimizer(model, t)
-    # FSDP2 puts with_kwargs=True pre-hooks on the modules it shards (outside the compiled
-    # frames); the bug's precondition is one on attention, inside every compiled block.
-    kwargs_hooks = sorted(n for n, m in model.named_modules() if m._forward_pre_hooks_with_kwargs)
-    result = {
-        "kwargs_hooks": kwargs_hooks,
-        "attention_kwargs_hooks": [n for n in kwargs_hooks if n.endswith("self_attn")],
-        "attention_modules": sorted(n for n, m in model.named_modules() if n.endswith("self_attn")),
-        "fsdp_modules": sorted(n for n, m in model.named_modules() if type(m).__name__.startswith("FSDP")),
-        "losses": [],
-        "grad_norms": [],
-        "error": None,
-    }
-    # What the mixed-precision policy really does: lm_head's weight dtype inside forward (after
-    # FSDP's unshard) and the dtype of the gradients FSDP reduce-scatters.
-    forward_dtypes, reduce_dtypes, logits = set(), set(), set()
-    model.lm_head.register_forward_pre_hook(lambda module, _: forward_dtypes.add(str(module.weight.dtype)))
-    model.lm_head.register_forward_hook(lambda module, _, out: logits.add(str(getattr(out, "placements", "tensor"))))
-    # FSDP2 calls dist.reduce_scatter_single on torch 2.14, dist.reduce_scatter_tensor on 2.10.
-    rs_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-    reduce_scatter = getattr(dist, rs_name)
-
-    def recording_reduce_scatter(output, input, *args, **kwargs):
-        reduce_dtypes.add(str(input.dtype))
-        return reduce_scatter(output, input, *args, **kwargs)
-
-    setattr(dist, rs_name, recording_reduce_scatter)
-    batches = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]), dp_mesh)
-    try:
-        for _ in range(t["steps"]):
-            x, y = next(batches)
-            loss, grad_norm = train.train_step(model, optimizer, scheduler, x, y, t["max_norm"], dp_mesh=dp_mesh)
-            result["losses"].append(loss)
-            result["grad_norms"].append(grad_norm)
-    except Exception as e:  # the recompile-limit error under fullgraph=True, on affected torch
-        result["error"] = f"{type(e).__name__}: {e}"
-    setattr(dist, rs_name, reduce_scatter)
-    result["forward_dtypes"], result["reduce_scatter_dtypes"] = sorted(forward_dtypes), sorted(reduce_dtypes)
-    result["logits"] = sorted(logits)  # "(Shard(dim=2),)" under loss parallel
-    embedding, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
-    result["tied"] = lm_head is embedding  # after the steps too: one parameter, updated once
-    result["equal_weights"] = torch.equal(*(w.full_tensor() if isinstance(w, DTensor) else w for w in (embedding, lm_head)))
-    result["graphs"], result["recompiles"] = report.dynamo_compile_counts()
-    result["recompile_reasons"] = [r for reasons in guard_failures.values() for r in reasons]
-    return result
 
 
 def _rank_main(rank: int, world_size: int, port: int, cfg: dict, out: str, arch: str, float64: bool) -> None:
@@ -159,12 +65,6 @@ def _rank_main(rank: int, world_size: int, port: int, cfg: dict, out: str, arch:
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @functools.cache

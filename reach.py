@@ -7,7 +7,7 @@ Each family is built tiny from its own config class (the tests' shrunk [model]: 
 hidden 256, 16 heads, 8 kv heads, head_dim 16; token ids inside the vocabulary; every dropout 0;
 SDPA where transformers allows it), parallelized by parallelize.py with HF's own layer and
 `attention_gather = "norm_output"`, trained 3 steps on 2 gloo ranks with the tests' harness
-(conftest.run_training) and compared with one eager process on the same batches. A second run
+(harness.run_training) and compared with one eager process on the same batches. A second run
 counts the kwargs plan's graphs on the same torch.
 """
 
@@ -71,36 +71,6 @@ RECIPE_B = {"parallelism.decoder_layer": "stock", "parallelism.attention_gather"
 KWARGS_PLAN = {"parallelism.decoder_layer": "stock", "parallelism.attention_gather": "pre_hook"}
 
 
-def build_family(family: str, model_cfg: dict, kv_heads: int = 8):
-    """A randomly initialised `*ForCausalLM` of `family` (a transformers model_type) with
-    [model]'s sizes, from the family's own config class."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    heads = model_cfg["num_attention_heads"]
-    sizes = dict(hidden_size=model_cfg["hidden_size"], intermediate_size=model_cfg["intermediate_size"],
-                 num_hidden_layers=model_cfg["num_hidden_layers"], num_attention_heads=heads,
-                 num_key_value_heads=kv_heads, head_dim=model_cfg["hidden_size"] // heads,
-                 vocab_size=model_cfg["vocab_size"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                 use_cache=False, tie_word_embeddings=False)
-    try:
-        config = AutoConfig.for_model(family, **sizes)
-    except Exception:  # zamba2: per-layer lists sized for its default depth; keep their last n entries
-        defaults = AutoConfig.for_model(family).to_dict()
-        n, n_default = model_cfg["num_hidden_layers"], defaults.get("num_hidden_layers")
-        per_layer = {key: [sizes[key]] * n if key in sizes else value[-n:]
-                     for key, value in defaults.items() if isinstance(value, list) and len(value) == n_default}
-        config = AutoConfig.for_model(family, **{**sizes, **per_layer})
-    for key, value in config.to_dict().items():
-        if "dropout" in key and isinstance(value, float):
-            setattr(config, key, 0.0)  # or the comparison with one process measures random masks
-    try:
-        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    except ValueError as e:  # gemma2: no SDPA (softcapping); apply_tp then refuses "eager" in one line
-        if "scaled_dot_product_attention" not in str(e):
-            raise
-        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-
-
 def _rank_main(rank: int, port: int, family: str, out: str) -> None:
     """Both plans on this rank of 2, one after the other, with Dynamo's state reset between."""
     import json
@@ -110,7 +80,7 @@ def _rank_main(rank: int, port: int, family: str, out: str) -> None:
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    from conftest import run_training, small_config  # the tests' harness: 4 blocks, recompile_limit 2
+    from harness import run_training, small_config  # the tests' harness: 4 blocks, recompile_limit 2
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -140,7 +110,7 @@ MAX_MILLIONS = 300
 def count_parameters(family: str) -> int:
     import torch
 
-    from conftest import small_config
+    from harness import build_family, small_config
 
     with torch.device("meta"):
         return sum(p.numel() for p in build_family(family, small_config()["model"]).parameters())
@@ -153,7 +123,7 @@ def measure(family: str, timeout: float = 300) -> dict:
 
     import torch.multiprocessing as mp
 
-    from conftest import free_port, run_training, small_config
+    from harness import free_port, run_training, small_config
 
     row = {"family": family}
     try:

@@ -27,10 +27,10 @@ import train
 from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, free_port, run_2d, run_tp, run_training,
                       small_config)
 from config import validate
-from model import PositionalLlamaDecoderLayer, build_model, forward_logits
 from family_plan import refuse_unplanned_parameters
+from harness import build_family
+from model import PositionalLlamaDecoderLayer, build_model, forward_logits
 from parallelize import apply_tp
-from reach import build_family
 from survey import markdown_table, survey_attention_calls
 
 
