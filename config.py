@@ -139,9 +139,9 @@ def check_model(m: dict) -> None:
     require(rope["high_freq_factor"] > rope["low_freq_factor"],
             f"model.rope_parameters.high_freq_factor = {rope['high_freq_factor']} must be > low_freq_factor = "
             f"{rope['low_freq_factor']}")
-    require(m["attn_implementation"] == "sdpa",
-            f"model.attn_implementation = {m['attn_implementation']!r} must be 'sdpa' "
-            "(the sequence-parallel forward relies on SDPA's is_causal with no mask)")
+    require(m["attn_implementation"] in ("sdpa", "eager"),
+            f"model.attn_implementation = {m['attn_implementation']!r} must be 'sdpa' or 'eager' "
+            "(the masks model.forward_logits builds for the whole sequence)")
 
 
 def check_training(t: dict, m: dict) -> None:

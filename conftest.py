@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -25,7 +26,8 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import parallelize
-from harness import HERE, NUM_BLOCKS, STEPS, free_port, run_training, small_config  # noqa: F401 (the tests import them here)
+from harness import (HERE, NUM_BLOCKS, STEPS, free_port, gradient_differences, run_training,  # noqa: F401 (the tests import them here)
+                     small_config)
 
 
 def pytest_configure(config):
@@ -52,7 +54,8 @@ HOOK_GUARD_BUG = torch_version() < (2, 11)
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")  # every launched rank prints its stacks on a fatal signal
 
 
-def _rank_main(rank: int, world_size: int, port: int, cfg: dict, out: str, arch: str, float64: bool) -> None:
+def _rank_main(rank: int, world_size: int, port: int, cfg: dict, out: str, arch: str, float64: bool,
+               window: int | None) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     faulthandler.enable(all_threads=True)  # a rank killed by a signal prints every thread's Python stack
@@ -61,35 +64,37 @@ def _rank_main(rank: int, world_size: int, port: int, cfg: dict, out: str, arch:
         torch.set_default_dtype(torch.float64)
         parallelize.MixedPrecisionPolicy = lambda **_: MixedPrecisionPolicy()
     dist.init_process_group("gloo")
-    result = run_training(cfg, world_size, arch=arch)
+    result = run_training(cfg, world_size, arch=arch, window=window, grads_path=out + ".grads.pt")
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
 @functools.cache
-def run_ranks(tmp_root: str, world_size: int, arch: str = "llama", float64: bool = False, **overrides) -> dict:
-    """run_training on `world_size` gloo ranks with `small_config(**overrides)`, rank 0's report.
+def run_ranks(tmp_root: str, world_size: int, arch: str = "llama", float64: bool = False, window: int | None = None,
+              **overrides) -> dict:
+    """run_training on `world_size` gloo ranks with `small_config(**overrides)`, rank 0's report;
+    its "grads" names the file of every parameter's step-1 gradient.
 
     A rank killed by a signal (no Python error: once in CI, a SIGABRT with "terminate called
     without an active exception" while inductor compiled) is run again once, with a warning; a
     Python error in any rank, or a second signal, fails the test."""
-    out = Path(tmp_root) / f"{arch}-{world_size}-{float64}-{abs(hash(tuple(sorted(overrides.items()))))}.json"
+    out = Path(tmp_root) / f"{arch}-{window}-{world_size}-{float64}-{abs(hash(tuple(sorted(overrides.items()))))}.json"
     for attempt in (1, 2):
         try:
-            mp.spawn(_rank_main, args=(world_size, free_port(), small_config(**overrides), str(out), arch, float64),
-                     nprocs=world_size)
+            mp.spawn(_rank_main, args=(world_size, free_port(), small_config(**overrides), str(out), arch, float64,
+                                       window), nprocs=world_size)
             break
         except mp.ProcessExitedException as e:
             if e.signal_name is None or attempt == 2:
                 raise
             warnings.warn(f"{arch} on {world_size} ranks {overrides}: {e}; running it again")
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "grads": str(out) + ".grads.pt"}
 
 
-def run_tp(tmp_root: str, arch: str = "llama", **overrides) -> dict:
+def run_tp(tmp_root: str, arch: str = "llama", window: int | None = None, **overrides) -> dict:
     """TP over 2 ranks."""
-    return run_ranks(tmp_root, TP, arch, **overrides)
+    return run_ranks(tmp_root, TP, arch, window=window, **overrides)
 
 
 def run_2d(tmp_root: str, **overrides) -> dict:
@@ -137,13 +142,24 @@ def _losses(out: str) -> list[float]:
 
 
 @functools.cache
-def run_one(float64: bool = False, **overrides) -> dict:
-    """run_training on this process, eager (one process: no TP, no compile), cached."""
+def run_one(arch: str = "llama", window: int | None = None, float64: bool = False, **overrides) -> dict:
+    """run_training on this process, eager (one process: no TP, no compile), cached; its "grads"
+    names the file of every parameter's step-1 gradient."""
+    grads = str(Path(tempfile.mkdtemp(prefix="one-process-")) / "grads.pt")
     torch.set_default_dtype(torch.float64 if float64 else torch.float32)
     try:
-        return run_training(small_config(**{"compile.enable": False, "parallelism.tp": 1, **overrides}), world_size=1)
+        cfg = small_config(**{"compile.enable": False, "parallelism.tp": 1, **overrides})
+        return {**run_training(cfg, world_size=1, arch=arch, window=window, grads_path=grads), "grads": grads}
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def assert_every_gradient_matches(run: dict, single: dict, rel: float = 1e-4) -> None:
+    """Every parameter's step-1 gradient (L2, relative) against one process: a wrong norm weight
+    hides in the total norm."""
+    differences = gradient_differences(run["grads"], single["grads"])
+    worst = max(differences, key=differences.get)
+    assert differences[worst] <= rel, f"{worst}'s step-1 gradient is {differences[worst]:.1e} off one process"
 
 
 GLOBAL_BATCH = {"training.local_batch_size": 2 * DP_SHARD}  # small_config's local batch is 2

@@ -102,9 +102,10 @@ def mlp_plan(mlp: nn.Module) -> dict:
             for name in linears}
 
 
-def require_llama_layout_and_sdpa(model: nn.Module) -> None:
-    """The module names the plan uses, every block's included; and SDPA: under sequence parallel HF
-    builds an attention mask from each rank's 1/TP of the sequence, SDPA with none runs is_causal."""
+def require_llama_layout_and_masks(model: nn.Module) -> None:
+    """The module names the plan uses, every block's included; and masks that forward_logits can
+    build for the whole sequence (under sequence parallel HF builds them from each rank's 1/TP):
+    SDPA or eager attention, full or sliding-window layers, causal."""
     blocks = getattr(getattr(model, "model", None), "layers", [])
     for name in ("model.embed_tokens", "model.layers", "model.norm", "lm_head",
                  *(f"model.layers.{i}.{part}" for i in range(len(blocks)) for part in ("self_attn", "mlp"))):
@@ -112,8 +113,18 @@ def require_llama_layout_and_sdpa(model: nn.Module) -> None:
             model.get_submodule(name)
         except AttributeError:
             raise PlanError(f"{type(model).__name__} has no {name}: the plan names HF's Llama layout") from None
-    if (impl := model.config._attn_implementation) != "sdpa":
-        raise PlanError(f"{type(model).__name__} runs attention as {impl!r}; the TP plan needs 'sdpa' (no mask)")
+    config, name = model.config, type(model).__name__
+    if (impl := config._attn_implementation) not in ("sdpa", "eager"):
+        raise PlanError(f"{name} runs attention as {impl!r}; the TP plan's full-sequence masks are for 'sdpa' and 'eager'")
+    if other := sorted(set(getattr(config, "layer_types", None) or ()) - set(FULL_SEQUENCE_MASKS)):
+        raise PlanError(f"{name} has {other[0]} layers, whose mask HF would build from each rank's seq_len/TP "
+                        f"tokens: full-sequence masks are built for {' and '.join(FULL_SEQUENCE_MASKS)} layers")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise PlanError(f"{name} sets use_bidirectional_attention (sliding_window {config.sliding_window}): "
+                        "the full-sequence masks are causal")
+
+
+FULL_SEQUENCE_MASKS = ("full_attention", "sliding_attention")  # the layer types forward_logits builds masks for
 
 
 def refuse_unplanned_parameters(block: nn.Module, prefix: str) -> None:

@@ -38,9 +38,10 @@ def small_config(**overrides) -> dict:
     return cfg
 
 
-def build_family(family: str, model_cfg: dict, kv_heads: int = 8):
+def build_family(family: str, model_cfg: dict, kv_heads: int = 8, window: int | None = None):
     """A randomly initialised `*ForCausalLM` of `family` (a transformers model_type) with
-    [model]'s sizes, from the family's own config class."""
+    [model]'s sizes, from the family's own config class; `window`: its sliding window, switched on
+    (qwen2's use_sliding_window) in the upper half of the blocks where the family lets it choose."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     heads = model_cfg["num_attention_heads"]
@@ -49,6 +50,8 @@ def build_family(family: str, model_cfg: dict, kv_heads: int = 8):
                  num_key_value_heads=kv_heads, head_dim=model_cfg["hidden_size"] // heads,
                  vocab_size=model_cfg["vocab_size"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
                  use_cache=False, tie_word_embeddings=False)
+    if window:
+        sizes.update(sliding_window=window, use_sliding_window=True, max_window_layers=model_cfg["num_hidden_layers"] // 2)
     try:
         config = AutoConfig.for_model(family, **sizes)
     except Exception:  # zamba2: per-layer lists sized for its default depth; keep their last n entries
@@ -62,16 +65,18 @@ def build_family(family: str, model_cfg: dict, kv_heads: int = 8):
             setattr(config, key, 0.0)  # or the comparison with one process measures random masks
     try:
         return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    except ValueError as e:  # gemma2: no SDPA (softcapping); apply_tp then refuses "eager" in one line
+    except ValueError as e:  # gemma2: no SDPA (softcapping); eager gets the same full-sequence masks
         if "scaled_dot_product_attention" not in str(e):
             raise
         return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
-def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: str = "llama") -> dict:
+def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: str = "llama",
+                 window: int | None = None, grads_path: str | None = None) -> dict:
     """Train training.steps steps with the trainer's own functions; report global-mean losses,
     gradient norms before clipping, and what Dynamo saw. `arch` other than "llama": that
-    transformers model_type (build_family), parallelized by the same code."""
+    transformers model_type (build_family, with `window`), parallelized by the same code.
+    `grads_path`: rank 0 saves every parameter's step-1 gradient there, whole and before clipping."""
     from torch._dynamo.utils import guard_failures
 
     validate(cfg, world_size)
@@ -83,7 +88,7 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
         model, optimizer, scheduler = train.build_training(cfg, device, parallel_dims)
     else:
         torch.manual_seed(t["seed"])
-        model = build_family(arch, cfg["model"]).to(device)
+        model = build_family(arch, cfg["model"], window=window).to(device)
         parallelize.parallelize(model, parallel_dims, cfg)
         optimizer, scheduler = train.build_optimizer(model, t)
     # FSDP2 puts with_kwargs=True pre-hooks on the modules it shards (outside the compiled
@@ -113,12 +118,18 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
 
     setattr(dist, rs_name, recording_reduce_scatter)
     batches = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]), dp_mesh)
+    step_1_grads = {}
+    if grads_path:
+        hook = optimizer.register_step_pre_hook(lambda *_: step_1_grads.update(whole_gradients(model)) or hook.remove())
     try:
         for _ in range(t["steps"]):
             x, y = next(batches)
             loss, grad_norm = train.train_step(model, optimizer, scheduler, x, y, t["max_norm"], dp_mesh=dp_mesh)
             result["losses"].append(loss)
             result["grad_norms"].append(grad_norm)
+            if step_1_grads and len(result["losses"]) == 1 and (not dist.is_initialized() or dist.get_rank() == 0):
+                clipped_by = min(1.0, t["max_norm"] / (grad_norm + 1e-6))  # torch's clip_grad_norm_ coefficient
+                torch.save({name: grad / clipped_by for name, grad in step_1_grads.items()}, grads_path)
     except Exception as e:  # the recompile-limit error under fullgraph=True, on affected torch
         result["error"] = f"{type(e).__name__}: {e}"
     setattr(dist, rs_name, reduce_scatter)
@@ -130,6 +141,23 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
     result["graphs"], result["recompiles"] = report.dynamo_compile_counts()
     result["recompile_reasons"] = [r for reasons in guard_failures.values() for r in reasons]
     return result
+
+
+def whole_gradients(model) -> dict:
+    """Every parameter's gradient, gathered whole (a collective: every rank calls it), by HF's name
+    (without compile's and AC's wrapper prefixes)."""
+    grads = {}
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        grads[name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")] = grad.detach().clone()
+    return grads
+
+
+def gradient_differences(grads_path: str, reference_path: str) -> dict:
+    """{parameter: |g - g_ref| / |g_ref|} (L2 norms) between two saved step-1 gradients."""
+    grads, reference = torch.load(grads_path), torch.load(reference_path)
+    assert grads.keys() == reference.keys(), sorted(grads.keys() ^ reference.keys())[:4]
+    return {name: ((grads[name] - g).norm() / g.norm().clamp_min(1e-12)).item() for name, g in reference.items()}
 
 
 def free_port() -> int:

@@ -8,6 +8,7 @@ one recompile per block (pytorch/pytorch#170110, fixed by #172519 in 2.11).
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.utils.deprecation import deprecate_kwarg
 
@@ -71,9 +72,17 @@ def build_model(model_cfg: dict, decoder_layer: str = "positional") -> LlamaForC
     return model
 
 
-def forward_logits(model: LlamaForCausalLM, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits for (batch, seq_len) token ids. Under sequence parallel each block sees 1/TP of the
-    sequence, and HF would derive `position_ids` from that local length: pass the full ones. No
-    mask: SDPA runs with `is_causal=True` over the all-gathered sequence."""
+# The masks forward_logits builds, by HF's layer type (config.layer_types).
+MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+def forward_logits(model, input_ids):
+    """Logits, with position_ids and masks for the whole sequence: under sequence parallel HF
+    would build them from each rank's 1/TP of it."""
     position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-    return model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    shape = torch.empty(*input_ids.shape, 0, dtype=model.dtype, device=input_ids.device)  # batch, length, dtype
+    kinds = getattr(model.config, "layer_types", None)  # then HF takes a dict by kind
+    one_kind = "full_attention" if getattr(model.config, "sliding_window", None) is None else "sliding_attention"
+    masks = {kind: MASKS[kind](model.config, shape, None, None, position_ids) for kind in set(kinds or [one_kind])}
+    return model(input_ids=input_ids, attention_mask=masks if kinds else masks[one_kind],
+                 position_ids=position_ids, use_cache=False).logits

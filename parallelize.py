@@ -20,7 +20,7 @@ from transformers import LlamaForCausalLM
 
 import family_plan
 import workarounds
-from family_plan import attention_norm, refuse_unplanned_parameters, require_llama_layout_and_sdpa
+from family_plan import attention_norm, refuse_unplanned_parameters, require_llama_layout_and_masks
 
 
 def parallelize(model: LlamaForCausalLM, parallel_dims: ParallelDims | None, cfg: dict) -> None:
@@ -59,7 +59,7 @@ def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str, a
     """TP + sequence parallel: torchtitan's llama3 plan on HF names. Between blocks activations
     are Shard(1) (sequence); attention and MLP all-gather on entry and reduce-scatter on exit.
     Logits stay sharded on the vocabulary with `loss_parallel` (train.vocab_parallel), else replicated."""
-    require_llama_layout_and_sdpa(model)
+    require_llama_layout_and_masks(model)
     plans = [block_plan(model, block, decoder_layer, attention_gather) for block in model.model.layers]  # may refuse
     parallelize_module(model, tp_mesh, {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),

@@ -2,13 +2,16 @@
 
     python reach.py                        # the table in RESULTS.md, for the installed torch
     python reach.py --families gemma3_text,olmo2
+    python reach.py --windows-only         # the sliding-window rows alone
 
 Each family is built tiny from its own config class (the tests' shrunk [model]: 4 blocks,
 hidden 256, 16 heads, 8 kv heads, head_dim 16; token ids inside the vocabulary; every dropout 0;
 SDPA where transformers allows it), parallelized by parallelize.py with HF's own layer and
-`attention_gather = "norm_output"`, trained 3 steps on 2 gloo ranks with the tests' harness
-(harness.run_training) and compared with one eager process on the same batches. A second run
-counts the kwargs plan's graphs on the same torch.
+`attention_gather = "norm_output"`, trained 3 steps of 64 tokens on 2 gloo ranks with the tests'
+harness (harness.run_training) and compared with one eager process on the same batches: losses,
+gradient norms and every parameter's step-1 gradient. A second run counts the kwargs plan's
+graphs on the same torch. A family whose config has a sliding window runs again with windows
+WINDOWS, one on each side of seq_len / TP = 32.
 """
 
 import argparse
@@ -34,6 +37,7 @@ CAUSES = {
     "starcoder2": "on 2.10.0 step 1's gradient norm is equal to 8.9e-6 and step 3's off by 3.3e-4 in eager "
                   "TP too: rounding that AdamW's first updates amplify, not a missing reduction",
 }
+WINDOWS = (48, 16)  # seq_len / TP < 48 < seq_len; 16 < seq_len / TP
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
 
 
@@ -71,8 +75,9 @@ RECIPE_B = {"parallelism.decoder_layer": "stock", "parallelism.attention_gather"
 KWARGS_PLAN = {"parallelism.decoder_layer": "stock", "parallelism.attention_gather": "pre_hook"}
 
 
-def _rank_main(rank: int, port: int, family: str, out: str) -> None:
-    """Both plans on this rank of 2, one after the other, with Dynamo's state reset between."""
+def _rank_main(rank: int, port: int, family: str, window: int | None, out: str) -> None:
+    """Both plans on this rank of 2 (recipe B alone with a window), one after the other, with
+    Dynamo's state reset between."""
     import json
     import os
 
@@ -86,9 +91,10 @@ def _rank_main(rank: int, port: int, family: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     results = {}
-    for name, plan in (("recipe_b", RECIPE_B), ("kwargs", KWARGS_PLAN)):
+    for name, plan in (("recipe_b", RECIPE_B), ("kwargs", KWARGS_PLAN))[:1 if window else 2]:
         try:
-            results[name] = run_training(small_config(**plan), 2, arch=family)
+            results[name] = run_training(small_config(**plan), 2, arch=family, window=window,
+                                         grads_path=out + ".grads.pt" if name == "recipe_b" else None)
         except Exception as e:  # a refusal from apply_tp, or a failure while building
             results[name] = {"error": first_line(e)}
         torch._dynamo.reset()
@@ -107,39 +113,49 @@ def first_line(e: BaseException) -> str:
 MAX_MILLIONS = 300
 
 
-def count_parameters(family: str) -> int:
+def has_sliding_window(family: str) -> bool:
+    from transformers import AutoConfig
+
+    try:
+        return "sliding_window" in AutoConfig.for_model(family).to_dict()
+    except Exception:  # a default config that does not build
+        return False
+
+
+def count_parameters(family: str, window: int | None = None) -> tuple[int, list[str]]:
+    """Parameters at the tests' sizes, and the model's kinds of attention layer."""
     import torch
 
     from harness import build_family, small_config
 
     with torch.device("meta"):
-        return sum(p.numel() for p in build_family(family, small_config()["model"]).parameters())
+        model = build_family(family, small_config()["model"], window=window)
+    config = model.config
+    kinds = sorted(set(getattr(config, "layer_types", None) or
+                       ["full_attention" if getattr(config, "sliding_window", None) is None else "sliding_attention"]))
+    return sum(p.numel() for p in model.parameters()), kinds
 
 
-def measure(family: str, timeout: float = 300) -> dict:
-    """One row: recipe B and the kwargs plan on 2 ranks, against one eager process."""
+def measure(family: str, window: int | None = None, timeout: float = 300) -> dict:
+    """One row: recipe B and (without a window) the kwargs plan on 2 ranks, against one eager process."""
     import json
     import os
 
     import torch.multiprocessing as mp
 
-    from harness import free_port, run_training, small_config
+    from harness import free_port, gradient_differences, run_training, small_config
 
-    row = {"family": family}
+    row = {"family": family, "window": window}
     try:
-        millions = count_parameters(family) / 1e6
+        millions, row["kinds"] = count_parameters(family, window)
+        millions /= 1e6
     except Exception:  # a config that does not build: the runs below record its error
         millions = 0
     if millions > MAX_MILLIONS:  # blt's byte-level encoders: 4.6 billion, killed for memory
         error = {"error": f"SizeError: {millions:.0f}M parameters at [model]'s sizes: its config does not shrink"}
         return {**row, "single": error, "recipe_b": error, "kwargs": error}
-    try:
-        row["single"] = run_training(small_config(**{**RECIPE_B, "compile.enable": False, "parallelism.tp": 1}), 1,
-                                     arch=family)
-    except Exception as e:
-        row["single"] = {"error": first_line(e)}
     out = os.path.join(tempfile.mkdtemp(prefix="reach-"), "result.json")
-    context = mp.start_processes(_rank_main, args=(free_port(), family, out), nprocs=2, join=False)
+    context = mp.start_processes(_rank_main, args=(free_port(), family, window, out), nprocs=2, join=False)
     try:
         deadline = time.monotonic() + timeout
         while not context.join(timeout=5):
@@ -151,6 +167,15 @@ def measure(family: str, timeout: float = 300) -> dict:
         for process in context.processes:
             process.kill()
         row["recipe_b"] = row["kwargs"] = {"error": first_line(e)}
+    row.setdefault("kwargs", {"error": "not run with a window"})
+    if row["recipe_b"].get("error"):  # refused or failed: nothing to compare
+        return {**row, "single": {}}
+    try:
+        row["single"] = run_training(small_config(**{**RECIPE_B, "compile.enable": False, "parallelism.tp": 1}), 1,
+                                     arch=family, window=window, grads_path=out + ".single.pt")
+        row["param_grads"] = gradient_differences(out + ".grads.pt", out + ".single.pt")
+    except Exception as e:
+        row["single"] = {"error": first_line(e)}
     return row
 
 
@@ -160,6 +185,7 @@ def summarize(row: dict) -> dict:
     b, kwargs, single = row["recipe_b"], row["kwargs"], row["single"]
     kwargs_error = kwargs.get("error") or ""
     cells = {"graphs": b.get("graphs", "-"), "recompiles": b.get("recompiles", "-"), "loss": "-", "grad": "-",
+             "param": max(row["param_grads"].values()) if row.get("param_grads") else "-",
              "kwargs": kwargs.get("graphs", "-") if not kwargs_error else
              "refused" if kwargs_error.startswith("PlanError") else "-"}
     if kwargs.get("error") and "recompile_limit" in kwargs["error"]:
@@ -175,15 +201,20 @@ def summarize(row: dict) -> dict:
 
 
 def verdict(cells: dict) -> str:
-    """"correct" (one process's numbers to 1e-4 at every step), "drift after step 1", "WRONG",
+    """"correct" (one process's losses and gradient norms to 1e-4 at every step, every parameter's
+    step-1 gradient to 1e-4 relative), "drift after step 1", "WRONG" (a step-1 gradient off),
     "refused" by the plan in one line, "not run" (too large), or "fails" (any other error)."""
     if cells["error"]:
         return ("refused" if cells["error"].startswith("PlanError") else
                 "not run" if cells["error"].startswith("SizeError") else "fails")
     if isinstance(cells["loss"], str):
         return "fails"
-    if cells["loss"] > 1e-4 or cells["grad"] > 1e-4:  # a gradient nothing sums is off from step 1 on
-        return "drift after step 1" if cells["grad_step_1"] <= 1e-4 else "WRONG"
+    if isinstance(cells["param"], str):
+        return "fails"
+    if cells["param"] > 1e-4:  # a gradient nothing sums is off at step 1, whatever the losses say
+        return "WRONG"
+    if cells["loss"] > 1e-4 or cells["grad"] > 1e-4:
+        return "drift after step 1"
     return "correct" if (cells["graphs"], cells["recompiles"]) == (1, 0) else f"correct, {cells['graphs']} graphs"
 
 
@@ -191,24 +222,27 @@ def markdown_table(results: dict[str, list[dict]]) -> str:
     """One row per family, one group of columns per torch (results: {torch version: rows})."""
     versions = list(results)
     head = "| family | " + " | ".join(f"torch {v}: recipe B graphs, recompiles | max loss diff | max grad-norm "
-                                        f"rel. diff | kwargs plan graphs" for v in versions) + " | result |"
-    lines = [head, "|---|" + "---|---|---|---|" * len(versions) + "---|"]
+                                        f"rel. diff | max step-1 parameter gradient rel. diff | kwargs plan graphs"
+                                        for v in versions) + " | result |"
+    lines = [head, "|---|" + "---|---|---|---|---|" * len(versions) + "---|"]
     by_family = {}
     for version in versions:
         for row in results[version]:
-            by_family.setdefault(row["family"], {})[version] = summarize(row)
+            label = row["family"] + (f", window {row['window']}" if row.get("window") else "")
+            by_family.setdefault(label, {})[version] = summarize(row)
     for family, per_torch in by_family.items():
         cells, results_text = [], []
         for version in versions:
             c = per_torch.get(version)
             if c is None:
-                cells.append("- | - | - | -")
+                cells.append("- | - | - | - | -")
                 continue
             number = lambda x: f"{x:.1e}" if isinstance(x, float) else str(x)  # noqa: E731
-            cells.append(f"{c['graphs']}, {c['recompiles']} | {number(c['loss'])} | {number(c['grad'])} | {c['kwargs']}")
+            cells.append(f"{c['graphs']}, {c['recompiles']} | {number(c['loss'])} | {number(c['grad'])} | "
+                         f"{number(c['param'])} | {c['kwargs']}")
             results_text.append(verdict(c) + (f": `{c['error']}`" if c["error"] else ""))
-        if family in CAUSES:
-            results_text = [f"{text} ({CAUSES[family]})" for text in results_text]
+        if (cause := CAUSES.get(family.split(",")[0])) and "," not in family:
+            results_text = [f"{text} ({cause})" for text in results_text]
         shown = results_text[0] if len(set(results_text)) == 1 else "; ".join(
             f"{v}: {t}" for v, t in zip(versions, results_text))
         lines.append(f"| {family} | " + " | ".join(cells) + f" | {shown} |")
@@ -222,6 +256,7 @@ def main() -> None:
     parser.add_argument("--families", help="comma-separated model_types (default: every dense family found)")
     parser.add_argument("--json", help="write the rows for this torch to this file")
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier --json files")
+    parser.add_argument("--windows-only", action="store_true", help="only the sliding-window rows")
     args = parser.parse_args()
     if args.table:
         results = {}
@@ -235,12 +270,14 @@ def main() -> None:
 
     warnings.filterwarnings("ignore")
     families = args.families.split(",") if args.families else dense_families()[0]
+    runs = [(family, window) for family in families
+            for window in ((None,) * (not args.windows_only) + (WINDOWS if has_sliding_window(family) else ()))]
     rows = []
-    for family in families:
+    for family, window in runs:
         start = time.perf_counter()
-        rows.append(measure(family))
+        rows.append(measure(family, window))
         cells = summarize(rows[-1])
-        print(f"{family}: {verdict(cells)} {cells} ({time.perf_counter() - start:.0f} s)", flush=True)
+        print(f"{family} (window {window}): {verdict(cells)} {cells} ({time.perf_counter() - start:.0f} s)", flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"torch": torch.__version__.split("+")[0], "rows": rows}, f)

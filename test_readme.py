@@ -1,11 +1,15 @@
-"""README's recipes as a user pastes them: each block of "The fix to copy", run in a plain HF
-trainer that imports nothing from this project (stock `LlamaForCausalLM`, torch's
-`parallelize_module` with torchtitan's llama3 plan on HF names, TP 2 + SP on gloo, torch's
-`checkpoint_wrapper`, per-block `torch.compile(fullgraph=True)`, AdamW). Marked `recompile_proof`:
-CI runs it on the pinned torch and on torch 2.10.0, where the bug lives.
+"""README's recipes as a user pastes them: the blocks of "The fix to copy" (README's plan
+included), run in a plain HF trainer that imports no plan from this project (stock HF models,
+torch's `parallelize_module`, TP 2 + SP on gloo, torch's `checkpoint_wrapper`, per-block
+`torch.compile(fullgraph=True)`, AdamW); recipe B on Qwen3 with README's plan and with
+family_plan.py copied alone. Marked `recompile_proof`: CI runs it on the pinned torch and on
+torch 2.10.0, where the bug lives.
 """
 
+import ast
 import functools
+import importlib.util
+import inspect
 import json
 import linecache
 import os
@@ -19,30 +23,35 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, loss_parallel, parallelize_module)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, free_port, run_tp, small_config
+from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, assert_every_gradient_matches, free_port, run_tp,
+                      small_config)
+from harness import build_family
 
 EMBEDDING_LINE = "    model.model.embed_tokens.register_forward_hook(lambda _m, _i, out: out.clone())\n"
 
 
 def readme_blocks(readme: str) -> dict[str, str]:
-    """The README's code blocks fenced as ```python recipe-a / recipe-b / both."""
-    return dict(re.findall(r"^```python (recipe-a|recipe-b|both)\n(.*?)^```$", readme, re.S | re.M))
+    """The README's code blocks fenced as ```python plan / recipe-a / recipe-b / both."""
+    return dict(re.findall(r"^```python (plan|recipe-a|recipe-b|both)\n(.*?)^```$", readme, re.S | re.M))
 
 
-def recipes() -> dict[str, str]:
-    """What the trainer runs: each recipe with the `both` block, and (on the pinned torch)
-    recipe A without the embedding line, which says whether that line is still needed."""
+# Each case: (README's blocks to paste, the model's family, its block plan: README's BLOCK_PLAN or family_plan.py's).
+def cases() -> dict[str, tuple[str, str, str]]:
+    """README's recipes as pasted; recipe B on Qwen3 with README's Llama plan (its guard must refuse)
+    and with family_plan.py; on the pinned torch recipe A without the embedding line, which says
+    whether that line is still needed."""
     blocks = readme_blocks((HERE / "README.md").read_text())
-    assert set(blocks) == {"recipe-a", "recipe-b", "both"}, f"README's recipe blocks: {sorted(blocks)}"
-    codes = {"A": blocks["recipe-a"] + blocks["both"], "B": blocks["recipe-b"] + blocks["both"]}
+    assert set(blocks) == {"plan", "recipe-a", "recipe-b", "both"}, f"README's recipe blocks: {sorted(blocks)}"
+    a, b = (blocks["plan"] + blocks[recipe] + blocks["both"] for recipe in ("recipe-a", "recipe-b"))
+    found = {"A": (a, "llama", "readme"), "B": (b, "llama", "readme"), "B on qwen3, Llama's plan": (b, "qwen3", "readme"),
+             "B on qwen3, family_plan.py": (b, "qwen3", "family_plan")}
     if not HOOK_GUARD_BUG:  # CI time: on torch 2.10.0 too block 0 compiles its own graph (RESULTS.md)
-        codes["A without the embedding line"] = blocks["recipe-a"].replace(EMBEDDING_LINE, "") + blocks["both"]
-    return codes
+        found["A without the embedding line"] = (a.replace(EMBEDDING_LINE, ""), "llama", "readme")
+    return found
 
 
 def run_block(code: str) -> dict:
@@ -54,28 +63,24 @@ def run_block(code: str) -> dict:
     return names
 
 
-# torchtitan's llama3 plan (llama3/infra/parallelize.py, apply_tp) on HF's module names, loss parallel on.
-TOP_PLAN = {
-    "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-    "model.norm": SequenceParallel(),
-    "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-}
-BLOCK_PLAN = {  # without attention's input: the recipes' part
-    "input_layernorm": SequenceParallel(),
-    "self_attn.q_proj": ColwiseParallel(),
-    "self_attn.k_proj": ColwiseParallel(),
-    "self_attn.v_proj": ColwiseParallel(),
-    "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-    "post_attention_layernorm": SequenceParallel(),
-    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-    "mlp.gate_proj": ColwiseParallel(),
-    "mlp.up_proj": ColwiseParallel(),
-    "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-}
+def copied_family_plan(folder: str):
+    """family_plan.py copied alone into `folder` and imported from there, as a user copies it."""
+    path = Path(folder) / "copied_family_plan.py"
+    path.write_text((HERE / "family_plan.py").read_text())
+    spec = importlib.util.spec_from_file_location("copied_family_plan", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def plain_trainer(code: str, cfg: dict, batches: list, tp_mesh) -> dict:
-    """A user's trainer with `code` pasted in: losses, gradient norms, Dynamo's graph and recompile counts."""
+def build(arch: str, cfg: dict):
+    torch.manual_seed(cfg["training"]["seed"])
+    return LlamaForCausalLM(LlamaConfig(**cfg["model"])) if arch == "llama" else build_family(arch, cfg["model"])
+
+
+def plain_trainer(code: str, arch: str, plan: str, cfg: dict, batches: list, tp_mesh, grads_path: str) -> dict:
+    """A user's trainer with `code` pasted in: losses, gradient norms, Dynamo's graph and recompile
+    counts; every parameter's step-1 gradient (before clipping, whole) saved to `grads_path`."""
     from torch._dynamo.utils import counters, guard_failures
 
     torch._dynamo.reset()
@@ -83,10 +88,20 @@ def plain_trainer(code: str, cfg: dict, batches: list, tp_mesh) -> dict:
     guard_failures.clear()
     recipe = run_block(code)
     t = cfg["training"]
-    torch.manual_seed(t["seed"])
-    model = LlamaForCausalLM(LlamaConfig(**cfg["model"]))
-    parallelize_module(model, tp_mesh, TOP_PLAN)
-    recipe["parallelize_blocks"](model, tp_mesh, BLOCK_PLAN)
+    model = build(arch, cfg)
+    result = {"losses": [], "grad_norms": [], "error": None}
+    try:
+        if plan == "family_plan":
+            family_plan = copied_family_plan(os.path.dirname(grads_path))
+            family_plan.require_llama_layout_and_masks(model)
+            block_plan = family_plan.block_plan(model.model.layers[0], "norm_output")
+        else:
+            block_plan = recipe["BLOCK_PLAN"]
+        parallelize_module(model, tp_mesh, recipe["TOP_PLAN"])
+        recipe["parallelize_blocks"](model, tp_mesh, block_plan)
+    except ValueError as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+        return result
     for i, block in enumerate(model.model.layers):
         model.model.layers.register_module(str(i), torch.compile(checkpoint_wrapper(block, preserve_rng_state=False),
                                                                  fullgraph=True))
@@ -94,13 +109,18 @@ def plain_trainer(code: str, cfg: dict, batches: list, tp_mesh) -> dict:
     warmup = t["warmup_steps"]  # linear warm-up, then linear decay to zero
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / (warmup + 1) if s < warmup else
                                                   max(0.0, 1 - (s - warmup) / max(1, t["steps"] - warmup)))
-    result = {"losses": [], "grad_norms": [], "error": None}
     try:
-        for x, y in batches:
+        for step, (x, y) in enumerate(batches):
             logits = recipe["forward_logits"](model, x)
             with loss_parallel():
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
                 loss.backward()
+            if step == 0:
+                grads = {name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""):
+                         (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                         for name, p in model.named_parameters()}
+                if dist.get_rank() == 0:
+                    torch.save(grads, grads_path)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t["max_norm"])
             optimizer.step()
             scheduler.step()
@@ -114,13 +134,36 @@ def plain_trainer(code: str, cfg: dict, batches: list, tp_mesh) -> dict:
     return result
 
 
-def _rank_main(rank: int, port: int, codes: dict, cfg: dict, batches_path: str, out: str) -> None:
+def one_process(arch: str, cfg: dict, batches: list, grads_path: str) -> dict:
+    """The same model, optimizer and batches in one eager process: the reference."""
+    t = cfg["training"]
+    model = build(arch, cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = t["warmup_steps"]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / (warmup + 1) if s < warmup else
+                                                  max(0.0, 1 - (s - warmup) / max(1, t["steps"] - warmup)))
+    result = {"losses": [], "grad_norms": []}
+    for step, (x, y) in enumerate(batches):
+        loss = F.cross_entropy(model(input_ids=x, use_cache=False).logits.flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        if step == 0:
+            torch.save({name: p.grad.clone() for name, p in model.named_parameters()}, grads_path)
+        result["grad_norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), t["max_norm"]).item())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        result["losses"].append(loss.item())
+    return result
+
+
+def _rank_main(rank: int, port: int, cases: dict, cfg: dict, batches_path: str, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(TP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     tp_mesh = init_device_mesh("cpu", (TP,))
     batches = torch.load(batches_path)
-    results = {name: plain_trainer(code, cfg, batches, tp_mesh) for name, code in codes.items()}
+    results = {name: plain_trainer(*case, cfg, batches, tp_mesh, f"{out}.{i}.grads.pt")
+               for i, (name, case) in enumerate(cases.items())}
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -128,7 +171,8 @@ def _rank_main(rank: int, port: int, codes: dict, cfg: dict, batches_path: str, 
 
 @functools.cache
 def run_recipes(tmp_root: str) -> dict:
-    """Every recipe on 2 gloo ranks, with the project's trainer's batches (the data, not its code)."""
+    """Every case on 2 gloo ranks, with the project's trainer's batches (the data, not its code);
+    each result's "grads" names its step-1 gradients."""
     import train
 
     cfg = small_config()
@@ -137,8 +181,14 @@ def run_recipes(tmp_root: str) -> dict:
     it = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
     batches_path, out = Path(tmp_root) / "readme-batches.pt", Path(tmp_root) / "readme-recipes.json"
     torch.save([next(it) for _ in range(t["steps"])], batches_path)
-    mp.spawn(_rank_main, args=(free_port(), recipes(), cfg, str(batches_path), str(out)), nprocs=TP)
-    return json.loads(out.read_text())
+    found = cases()
+    mp.spawn(_rank_main, args=(free_port(), found, cfg, str(batches_path), str(out)), nprocs=TP)
+    results = json.loads(out.read_text())
+    for i, name in enumerate(found):
+        results[name]["grads"] = f"{out}.{i}.grads.pt"
+    results["qwen3, one process"] = one_process("qwen3", cfg, torch.load(batches_path), f"{out}.qwen3-one.grads.pt")
+    results["qwen3, one process"]["grads"] = f"{out}.qwen3-one.grads.pt"
+    return results
 
 
 @pytest.mark.recompile_proof
@@ -151,6 +201,42 @@ def test_readme_recipe_compiles_one_graph_with_the_trainers_numbers(tmp_root, re
     assert len(r["losses"]) == STEPS
     assert r["losses"] == pytest.approx(trainer["losses"], abs=1e-5)
     assert r["grad_norms"] == pytest.approx(trainer["grad_norms"], rel=1e-5)
+    assert_every_gradient_matches(r, trainer, rel=1e-5)
+
+
+@pytest.mark.recompile_proof
+def test_readme_recipe_b_with_llamas_plan_refuses_qwen3_before_the_first_step(tmp_root):
+    """Qwen3's per-head q_norm and k_norm are in no entry of Llama's plan: the pasted guard
+    refuses, where without it the losses match one process and those gradients are one rank's share."""
+    r = run_recipes(tmp_root)["B on qwen3, Llama's plan"]
+    assert r["error"] == ("ValueError: model.layers.0.self_attn.q_norm.weight is not in the TP plan: "
+                          "its gradient would be one rank's share"), r["error"]
+    assert r["losses"] == []
+
+
+@pytest.mark.recompile_proof
+def test_readme_recipe_b_with_the_copied_family_plan_trains_qwen3_as_one_process(tmp_root):
+    """family_plan.py copied alone (it imports nothing from this project) plans q_norm and
+    k_norm: every parameter's step-1 gradient and every loss as one process's, in one graph."""
+    results = run_recipes(tmp_root)
+    r, single = results["B on qwen3, family_plan.py"], results["qwen3, one process"]
+    assert r["error"] is None, r["error"]
+    assert (r["graphs"], r["recompile_reasons"]) == (1, []), r["recompile_reasons"]
+    assert r["losses"] == pytest.approx(single["losses"], abs=1e-5)
+    assert_every_gradient_matches(r, single)
+    tree = ast.parse((HERE / "family_plan.py").read_text())
+    imported = {(node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
+                for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+    assert not imported & {p.stem for p in HERE.glob("*.py")}, f"family_plan.py imports {imported}"
+
+
+def test_readme_forward_logits_is_the_trainers():
+    """README's `both` block and model.py build the same full-sequence masks: one source."""
+    import model
+
+    recipe = run_block(readme_blocks((HERE / "README.md").read_text())["both"])
+    assert inspect.getsource(recipe["forward_logits"]) == inspect.getsource(model.forward_logits)
+    assert recipe["MASKS"] == model.MASKS
 
 
 def test_without_the_embedding_line_recipe_a_fails(tmp_root):

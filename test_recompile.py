@@ -11,6 +11,7 @@ import ast
 import inspect
 import json
 import os
+import re
 import textwrap
 import warnings
 from pathlib import Path
@@ -24,8 +25,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import parallelize
 import train
-from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, free_port, run_2d, run_tp, run_training,
-                      small_config)
+from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, assert_every_gradient_matches, free_port, run_2d,
+                      run_one, run_tp, run_training, small_config)
 from config import validate
 from family_plan import refuse_unplanned_parameters
 from harness import build_family
@@ -161,22 +162,21 @@ def test_norm_output_plan_communicates_as_the_pre_hook_plan(tmp_path):
     assert any("all_gather" in op for op in counts["pre_hook"]), counts
 
 
-def one_eager_process(arch: str) -> dict:
-    return run_training(small_config(**{"compile.enable": False, "parallelism.tp": 1}), 1, arch=arch)
-
-
-@pytest.mark.parametrize("arch", ["gemma3_text"])
-def test_norm_output_plan_fixes_other_hf_architectures(tmp_root, arch):
-    """Gemma3: per-head q/k norms and four block norms (around attention and the MLP), each
-    planned by its type. reach.py runs every other dense family the same way, on torch 2.10.0
-    too (RESULTS.md)."""
-    r = run_tp(tmp_root, arch, **{"parallelism.decoder_layer": "stock", **NORM_OUTPUT})
+@pytest.mark.parametrize("arch, window, graphs", [("gemma3_text", 48, 1), ("mistral", 16, 1), ("cohere2", 48, 2),
+                                                   ("gemma2", 16, 1)])
+def test_norm_output_plan_fixes_other_hf_architectures(tmp_root, arch, window, graphs):
+    """Per-head q/k norms and four block norms (gemma), each planned by its type; a sliding window
+    between seq_len / TP and seq_len (48) or under it (16), from masks built for the whole
+    sequence; gemma2's eager attention. One graph per kind of block (cohere2: sliding layers with
+    RoPE and full ones without, the second a recompile; gemma2's two kinds differ in the mask alone). reach.py runs every dense family and both windows, on torch 2.10.0 too (RESULTS.md)."""
+    r = run_tp(tmp_root, arch, window=window, **{"parallelism.decoder_layer": "stock", **NORM_OUTPUT})
     assert r["error"] is None, r["error"]
     assert r["kwargs_hooks"] == []
-    assert (r["graphs"], r["recompiles"]) == (1, 0), r["recompile_reasons"]
-    single_eager = one_eager_process(arch)
-    assert r["losses"] == pytest.approx(single_eager["losses"], abs=1e-4), f"{arch}: TP=2 vs 1 process"
+    assert (r["graphs"], r["recompiles"]) == (graphs, graphs - 1), r["recompile_reasons"]
+    single_eager = run_one(arch, window)
+    assert r["losses"] == pytest.approx(single_eager["losses"], abs=1e-5), f"{arch}: TP=2 vs 1 process"
     assert r["grad_norms"] == pytest.approx(single_eager["grad_norms"], rel=1e-4), f"{arch}: TP=2 vs 1 process"
+    assert_every_gradient_matches(r, single_eager)
 
 
 def _norm_gradients_main(rank: int, port: int, out: str) -> None:
@@ -236,7 +236,6 @@ def test_without_the_norm_planning_gemma3_norms_get_wrong_gradients_in_silence(t
     ("phi3", "Phi3Attention has no q_proj, k_proj, v_proj (it has o_proj, qkv_proj)"),
     ("glm4", "Glm4MLP.gate_up_proj is not one of gate_proj, up_proj"),
     ("stablelm", "StableLmAttention reshapes with the global head count"),
-    ("gemma2", "Gemma2ForCausalLM runs attention as 'eager'"),
     ("biogpt", "BioGptForCausalLM has no model.embed_tokens: the plan names HF's Llama layout"),
 ])
 def test_tp_plan_refuses_what_it_cannot_make_correct_before_any_change(family, message):
@@ -246,6 +245,22 @@ def test_tp_plan_refuses_what_it_cannot_make_correct_before_any_change(family, m
         apply_tp(model, None, "stock", "norm_output")
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"_attn_implementation": "flex_attention"},
+     "LlamaForCausalLM runs attention as 'flex_attention'; the TP plan's full-sequence masks are for 'sdpa' and 'eager'"),
+    ({"layer_types": ["chunked_attention"] * NUM_BLOCKS},
+     "LlamaForCausalLM has chunked_attention layers, whose mask HF would build from each rank's seq_len/TP tokens"),
+    ({"use_bidirectional_attention": True, "sliding_window": 48},
+     "LlamaForCausalLM sets use_bidirectional_attention (sliding_window 48): the full-sequence masks are causal"),
+])
+def test_tp_plan_refuses_masks_it_cannot_build_for_the_whole_sequence(change, message):
+    model = build_model(small_config()["model"])
+    for key, value in change.items():
+        setattr(model.config, key, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        apply_tp(model, None, "stock", "norm_output")
 
 
 def test_a_block_parameter_left_out_of_the_plan_is_refused():
