@@ -148,6 +148,8 @@ def whole_gradients(model) -> dict:
     (without compile's and AC's wrapper prefixes)."""
     grads = {}
     for name, p in model.named_parameters():
+        if p.grad is None:  # unused: none on either side
+            continue
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         grads[name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")] = grad.detach().clone()
     return grads

@@ -155,18 +155,24 @@ def measure(family: str, window: int | None = None, timeout: float = 300) -> dic
         error = {"error": f"SizeError: {millions:.0f}M parameters at [model]'s sizes: its config does not shrink"}
         return {**row, "single": error, "recipe_b": error, "kwargs": error}
     out = os.path.join(tempfile.mkdtemp(prefix="reach-"), "result.json")
-    context = mp.start_processes(_rank_main, args=(free_port(), family, window, out), nprocs=2, join=False)
-    try:
-        deadline = time.monotonic() + timeout
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no result in {timeout:.0f} s")
-        with open(out) as f:
-            row.update(json.load(f))
-    except Exception as e:  # a rank that died, or hung
-        for process in context.processes:
-            process.kill()
-        row["recipe_b"] = row["kwargs"] = {"error": first_line(e)}
+    for attempt in (1, 2):  # a rank killed by a signal while inductor compiles (RESULTS.md, faults): once more
+        row.pop("recipe_b", None), row.pop("kwargs", None)
+        context = mp.start_processes(_rank_main, args=(free_port(), family, window, out), nprocs=2, join=False)
+        try:
+            deadline = time.monotonic() + timeout
+            while not context.join(timeout=5):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no result in {timeout:.0f} s")
+            with open(out) as f:
+                row.update(json.load(f))
+            break
+        except Exception as e:  # a rank that died, or hung
+            for process in context.processes:
+                process.kill()
+            row["recipe_b"] = row["kwargs"] = {"error": first_line(e)}
+            if getattr(e, "signal_name", None) is None or attempt == 2:
+                break
+            print(f"{family} (window {window}): {first_line(e)}; running it again", flush=True)
     row.setdefault("kwargs", {"error": "not run with a window"})
     if row["recipe_b"].get("error"):  # refused or failed: nothing to compare
         return {**row, "single": {}}

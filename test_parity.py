@@ -16,7 +16,7 @@ import torch
 
 import train
 from bench import titan_from_hf
-from conftest import GLOBAL_BATCH, HERE, run_2d, run_one, run_tp, small_config
+from conftest import GLOBAL_BATCH, HERE, assert_every_gradient_matches, run_2d, run_one, run_tp, small_config
 from model import build_model, forward_logits
 
 NORM_OUTPUT_PLAN = {"parallelism.decoder_layer": "stock", "parallelism.attention_gather": "norm_output"}
@@ -108,7 +108,8 @@ def test_2d_losses_equal_one_process_and_tp_only_with_the_same_global_batch(tmp_
 
 def test_gradient_norms_are_equal_on_every_mesh_and_plan(tmp_root):
     """Before clipping, at every step, to 1e-4 relative: one process, TP 2 and dp_shard 2 x tp 2
-    on one global batch; one process, TP 2 and the norm-output plan on another."""
+    on one global batch; one process, TP 2 and the norm-output plan on another. And every
+    parameter's step-1 gradient, whole, to 1e-4 relative."""
     runs = [
         ("TP 2", GLOBAL_BATCH, run_tp(tmp_root, **GLOBAL_BATCH)),
         ("dp_shard 2 x tp 2", GLOBAL_BATCH, run_2d(tmp_root)),
@@ -120,6 +121,7 @@ def test_gradient_norms_are_equal_on_every_mesh_and_plan(tmp_root):
         single = run_one(**batch)["grad_norms"]
         assert r["grad_norms"][0] == pytest.approx(single[0], rel=1e-4), f"step 1: {name} vs one process"
         assert r["grad_norms"] == pytest.approx(single, rel=1e-4), f"{name} vs one process"
+        assert_every_gradient_matches(r, run_one(**batch))
 
 
 def test_summary_flops_per_token_are_torchtitans_for_the_debugmodel():
@@ -154,7 +156,8 @@ def test_in_float64_tp_and_tied_2d_with_loss_parallel_equal_one_process(tmp_root
     """The float32 tests' 1e-4 on gradient norms is rounding, not a difference: in float64 (eager;
     the loss itself stays float32, as torchtitan's) TP 2, and dp_shard 2 x tp 2 with tied
     embeddings, both with loss parallel, give one process's losses to 1e-6 and gradient norms to
-    1e-7 (measured: 4.8e-7, and 9.1e-9 on TP 2, 7.3e-9 tied on 2D; float32 TP 2: 4.2e-5)."""
+    1e-7 (measured: 4.8e-7, and 9.1e-9 on TP 2, 7.3e-9 tied on 2D; float32 TP 2: 4.2e-5), and
+    every parameter's step-1 gradient to 1e-7."""
     for name, tied, r in (("TP 2", {}, run_tp(tmp_root, float64=True, **GLOBAL_BATCH, **EAGER)),
                           ("tied dp_shard 2 x tp 2", TIED, run_2d(tmp_root, float64=True, **TIED, **EAGER))):
         single = run_one(float64=True, **tied, **GLOBAL_BATCH)
@@ -162,7 +165,7 @@ def test_in_float64_tp_and_tied_2d_with_loss_parallel_equal_one_process(tmp_root
         assert r["forward_dtypes"] == ["torch.float64"] and r["tied"] == single["tied"] == bool(tied), name
         assert r["losses"] == pytest.approx(single["losses"], abs=1e-6), name
         assert r["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-7), name
-
+        assert_every_gradient_matches(r, single, rel=1e-7)
 
 
 
@@ -177,6 +180,7 @@ def test_tied_embeddings_share_one_parameter_through_tp_and_fsdp_with_the_one_pr
     assert (r["graphs"], r["recompiles"]) == (1, 0)
     assert r["losses"] == pytest.approx(single["losses"], abs=1e-5)
     assert r["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4)
+    assert_every_gradient_matches(r, single)
     assert single["tied"]
     untied = run_one(**GLOBAL_BATCH)
     assert not untied["tied"] and not untied["equal_weights"]
