@@ -118,20 +118,26 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
 
     setattr(dist, rs_name, recording_reduce_scatter)
     batches = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]), dp_mesh)
-    step_1_grads = {}
+    clip = train.clip_grad_norm_
+
+    def clip_after_saving_step_1_gradients(parameters, max_norm):  # before clipping: the gradients backward made
+        grads = whole_gradients(model)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            torch.save(grads, grads_path)
+        train.clip_grad_norm_ = clip
+        return clip(parameters, max_norm)
+
     if grads_path:
-        hook = optimizer.register_step_pre_hook(lambda *_: step_1_grads.update(whole_gradients(model)) or hook.remove())
+        train.clip_grad_norm_ = clip_after_saving_step_1_gradients
     try:
         for _ in range(t["steps"]):
             x, y = next(batches)
             loss, grad_norm = train.train_step(model, optimizer, scheduler, x, y, t["max_norm"], dp_mesh=dp_mesh)
             result["losses"].append(loss)
             result["grad_norms"].append(grad_norm)
-            if step_1_grads and len(result["losses"]) == 1 and (not dist.is_initialized() or dist.get_rank() == 0):
-                clipped_by = min(1.0, t["max_norm"] / (grad_norm + 1e-6))  # torch's clip_grad_norm_ coefficient
-                torch.save({name: grad / clipped_by for name, grad in step_1_grads.items()}, grads_path)
     except Exception as e:  # the recompile-limit error under fullgraph=True, on affected torch
         result["error"] = f"{type(e).__name__}: {e}"
+    train.clip_grad_norm_ = clip
     setattr(dist, rs_name, reduce_scatter)
     result["forward_dtypes"], result["reduce_scatter_dtypes"] = sorted(forward_dtypes), sorted(reduce_dtypes)
     result["logits"] = sorted(logits)  # "(Shard(dim=2),)" under loss parallel
