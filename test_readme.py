@@ -129,7 +129,7 @@ def plain_trainer(code: str, arch: str, plan: str, cfg: dict, batches: list, tp_
             result["losses"].append(loss.full_tensor().item())
             result["grad_norms"].append(grad_norm.full_tensor().item())
     except Exception as e:
-        result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+        result["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
     result["graphs"] = counters["stats"]["unique_graphs"]
     result["recompile_reasons"] = [r for reasons in guard_failures.values() for r in reasons]
     return result
@@ -157,45 +157,45 @@ def one_process(arch: str, cfg: dict, batches: list, grads_path: str) -> dict:
     return result
 
 
-def _rank_main(rank: int, port: int, cases: dict, cfg: dict, batches_path: str, out: str) -> None:
+def _rank_main(rank: int, port: int, case: tuple, cfg: dict, batches_path: str, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(TP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     tp_mesh = init_device_mesh("cpu", (TP,))
-    batches = torch.load(batches_path)
-    results = {name: plain_trainer(*case, cfg, batches, tp_mesh, f"{out}.{i}.grads.pt")
-               for i, (name, case) in enumerate(cases.items())}
+    result = plain_trainer(*case, cfg, torch.load(batches_path), tp_mesh, f"{out}.grads.pt")
     if rank == 0:
-        Path(out).write_text(json.dumps(results))
+        Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
 @functools.cache
 def run_recipes(tmp_root: str) -> dict:
-    """Every case on 2 gloo ranks, with the project's trainer's batches (the data, not its code);
-    each result's "grads" names its step-1 gradients."""
+    """Every case on 2 gloo ranks of its own, as a user's trainer runs one model per process (on
+    torch 2.10.0 a second model's vocabulary-parallel embedding in one process fails: `assert
+    self.mask_buffer.data is not None`), with the project's trainer's batches (the data, not its
+    code); each result's "grads" names its step-1 gradients."""
     import train
 
     cfg = small_config()
     t = cfg["training"]
     data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
     it = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
-    batches_path, out = Path(tmp_root) / "readme-batches.pt", Path(tmp_root) / "readme-recipes.json"
+    batches_path = Path(tmp_root) / "readme-batches.pt"
     torch.save([next(it) for _ in range(t["steps"])], batches_path)
-    found = cases()
-    for attempt in (1, 2):  # conftest.run_ranks' rule: a rank killed by a signal runs once more, with a warning
-        try:
-            mp.spawn(_rank_main, args=(free_port(), found, cfg, str(batches_path), str(out)), nprocs=TP)
-            break
-        except mp.ProcessExitedException as e:
-            if e.signal_name is None or attempt == 2:
-                raise
-            warnings.warn(f"README's recipes on {TP} ranks: {e}; running them again")
-    results = json.loads(out.read_text())
-    for i, name in enumerate(found):
-        results[name]["grads"] = f"{out}.{i}.grads.pt"
-    results["qwen3, one process"] = one_process("qwen3", cfg, torch.load(batches_path), f"{out}.qwen3-one.grads.pt")
-    results["qwen3, one process"]["grads"] = f"{out}.qwen3-one.grads.pt"
+    results = {}
+    for i, (name, case) in enumerate(cases().items()):
+        out = Path(tmp_root) / f"readme-case-{i}.json"
+        for attempt in (1, 2):  # conftest.run_ranks' rule: a rank killed by a signal runs once more, with a warning
+            try:
+                mp.spawn(_rank_main, args=(free_port(), case, cfg, str(batches_path), str(out)), nprocs=TP)
+                break
+            except mp.ProcessExitedException as e:
+                if e.signal_name is None or attempt == 2:
+                    raise
+                warnings.warn(f"README's {name} on {TP} ranks: {e}; running it again")
+        results[name] = {**json.loads(out.read_text()), "grads": f"{out}.grads.pt"}
+    one = Path(tmp_root) / "readme-qwen3-one.grads.pt"
+    results["qwen3, one process"] = {**one_process("qwen3", cfg, torch.load(batches_path), str(one)), "grads": str(one)}
     return results
 
 
