@@ -24,13 +24,12 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, assert_every_gradient_matches, free_port, run_tp,
                       small_config)
-from harness import build_family
+from harness import build_family, whole_gradients
 
 EMBEDDING_LINE = "    model.model.embed_tokens.register_forward_hook(lambda _m, _i, out: out.clone())\n"
 
@@ -79,6 +78,14 @@ def build(arch: str, cfg: dict):
     return LlamaForCausalLM(LlamaConfig(**cfg["model"])) if arch == "llama" else build_family(arch, cfg["model"])
 
 
+def adamw_and_schedule(model, t: dict):
+    """A user's AdamW with torchtitan's settings; linear warm-up, then linear decay to zero."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = t["warmup_steps"]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / (warmup + 1) if s < warmup else
+                                                        max(0.0, 1 - (s - warmup) / max(1, t["steps"] - warmup)))
+
+
 def plain_trainer(code: str, arch: str, plan: str, cfg: dict, batches: list, tp_mesh, grads_path: str) -> dict:
     """A user's trainer with `code` pasted in: losses, gradient norms, Dynamo's graph and recompile
     counts; every parameter's step-1 gradient (before clipping, whole) saved to `grads_path`."""
@@ -106,10 +113,7 @@ def plain_trainer(code: str, arch: str, plan: str, cfg: dict, batches: list, tp_
     for i, block in enumerate(model.model.layers):
         model.model.layers.register_module(str(i), torch.compile(checkpoint_wrapper(block, preserve_rng_state=False),
                                                                  fullgraph=True))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = t["warmup_steps"]  # linear warm-up, then linear decay to zero
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / (warmup + 1) if s < warmup else
-                                                  max(0.0, 1 - (s - warmup) / max(1, t["steps"] - warmup)))
+    optimizer, scheduler = adamw_and_schedule(model, t)
     try:
         for step, (x, y) in enumerate(batches):
             logits = recipe["forward_logits"](model, x)
@@ -117,9 +121,7 @@ def plain_trainer(code: str, arch: str, plan: str, cfg: dict, batches: list, tp_
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
                 loss.backward()
             if step == 0:
-                grads = {name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""):
-                         (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-                         for name, p in model.named_parameters()}
+                grads = whole_gradients(model)
                 if dist.get_rank() == 0:
                     torch.save(grads, grads_path)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t["max_norm"])
@@ -139,16 +141,13 @@ def one_process(arch: str, cfg: dict, batches: list, grads_path: str) -> dict:
     """The same model, optimizer and batches in one eager process: the reference."""
     t = cfg["training"]
     model = build(arch, cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = t["warmup_steps"]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / (warmup + 1) if s < warmup else
-                                                  max(0.0, 1 - (s - warmup) / max(1, t["steps"] - warmup)))
+    optimizer, scheduler = adamw_and_schedule(model, t)
     result = {"losses": [], "grad_norms": []}
     for step, (x, y) in enumerate(batches):
         loss = F.cross_entropy(model(input_ids=x, use_cache=False).logits.flatten(0, 1).float(), y.flatten())
         loss.backward()
         if step == 0:
-            torch.save({name: p.grad.clone() for name, p in model.named_parameters()}, grads_path)
+            torch.save(whole_gradients(model), grads_path)
         result["grad_norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), t["max_norm"]).item())
         optimizer.step()
         scheduler.step()
