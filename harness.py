@@ -76,7 +76,7 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
     """Train training.steps steps with the trainer's own functions; report global-mean losses,
     gradient norms before clipping, and what Dynamo saw. `arch` other than "llama": that
     transformers model_type (build_family, with `window`), parallelized by the same code.
-    `grads_path`: rank 0 saves every parameter's step-1 gradient there, whole and before clipping."""
+    `grads_path`: rank 0 saves every parameter's step-1 gradient there, whole and clipped."""
     from torch._dynamo.utils import guard_failures
 
     validate(cfg, world_size)
@@ -120,15 +120,16 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
     batches = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]), dp_mesh)
     clip = train.clip_grad_norm_
 
-    def clip_after_saving_step_1_gradients(parameters, max_norm):  # before clipping: the gradients backward made
+    def clip_and_save_step_1_gradients(parameters, max_norm):  # clipped: what the optimizer applies
+        train.clip_grad_norm_ = clip
+        grad_norm = clip(parameters, max_norm)
         grads = whole_gradients(model)
         if not dist.is_initialized() or dist.get_rank() == 0:
             torch.save(grads, grads_path)
-        train.clip_grad_norm_ = clip
-        return clip(parameters, max_norm)
+        return grad_norm
 
     if grads_path:
-        train.clip_grad_norm_ = clip_after_saving_step_1_gradients
+        train.clip_grad_norm_ = clip_and_save_step_1_gradients
     try:
         for _ in range(t["steps"]):
             x, y = next(batches)

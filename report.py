@@ -52,12 +52,15 @@ def gather_from_ranks(value) -> list:
 
 def flops_per_token(model, cfg: dict) -> int:
     """torchtitan's count, from its own function: 6 x non-embedding parameters + 6 x layers x
-    heads x (q/k + v head dims) x seq_len. Its `model.children()` are torchtitan's modules."""
+    heads x (q/k + v head dims) x seq_len. Its `model.children()` are torchtitan's modules. A tied
+    lm_head is the embedding's parameter, listed once and subtracted as the embedding: its matmul
+    (6 x vocabulary x hidden) is added back."""
     m, inner = cfg["model"], model.model
     as_titan = torch.nn.Sequential(inner.embed_tokens, inner.layers, inner.norm, model.lm_head)
     args = types.SimpleNamespace(n_layers=m["num_hidden_layers"], n_heads=m["num_attention_heads"])  # FLOPs: no tying
     head_dims = 2 * m["hidden_size"] // m["num_attention_heads"]
-    return get_dense_model_nparams_and_flops(args, as_titan, head_dims, cfg["training"]["seq_len"])[1]
+    flops = get_dense_model_nparams_and_flops(args, as_titan, head_dims, cfg["training"]["seq_len"])[1]
+    return flops + (6 * model.lm_head.weight.numel() if model.lm_head.weight is inner.embed_tokens.weight else 0)
 
 
 def peak_flops(device: torch.device, cfg: dict) -> tuple[float, str] | None:

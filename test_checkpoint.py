@@ -5,8 +5,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,8 +73,6 @@ def _children(pid: int) -> list[int]:
 
 def _run_killed_after(nproc: int, args: list[str], line: str, *torchrun_args: str) -> tuple[int, str]:
     """Start training, kill -9 one rank as soon as rank 0 logs `line`: (return code, output)."""
-    import signal
-
     proc = _launch(nproc, args, *torchrun_args)
     out = []
     for text in proc.stdout:
@@ -114,6 +114,63 @@ def test_a_killed_rank_restarts_by_itself_with_the_uninterrupted_numbers(tmp_roo
     # A warm start: the killed group left its compiled graph in the (shared) inductor cache.
     [caches] = [line for line in resumed.splitlines() if line.startswith("  compile caches ")]
     assert re.search(r"AOTAutograd [1-9]\d* hit, 0 missed; FX graph [1-9]\d* hit, 0 missed on every rank", caches), caches
+
+
+def _two_agents(folder: Path, args: list[str], own_store: bool) -> list[tuple[subprocess.Popen, Path]]:
+    """train.py under two torchrun agents on this machine, as two nodes of one rank each, with
+    --max-restarts 1; `own_store`: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. [(agent, its output file)]."""
+    port, logs = free_port(), []
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-agents",
+                "--max-restarts", "1"]
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if own_store else {}))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    for node in (0, 1):
+        log = folder.parent / f"agent-{node}.log"
+        proc = subprocess.Popen([*launcher, str(HERE / "train.py"), *args], stdout=log.open("w"),
+                                stderr=subprocess.STDOUT, env=env)
+        logs.append((proc, log))
+    return logs
+
+
+def test_restarts_on_several_nodes_without_their_own_store_are_refused_before_any_group(tmp_path):
+    """Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 a restart on several nodes hung with nothing
+    printed (workarounds.several_nodes_restart_problem): now one line, before any process group."""
+    agents = _two_agents(tmp_path / "ckpt", _ckpt_args(tmp_path / "ckpt"), own_store=False)
+    outs = []
+    for proc, log in agents:
+        proc.wait(timeout=300)
+        outs.append(log.read_text())
+    assert [proc.returncode for proc, _ in agents] == [1, 1], outs
+    refusals = [line for out in outs for line in out.splitlines() if line.startswith("config error: torchrun")]
+    assert refusals and set(refusals) == {"config error: torchrun --max-restarts on several nodes needs "
+                                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node: a restarted group "
+                                          "would meet the failed one's keys in the agents' shared store and hang"}
+    assert "step   1" not in "".join(outs)
+
+
+def test_a_killed_rank_on_one_of_two_nodes_restarts_with_the_uninterrupted_numbers(tmp_root, tmp_path):
+    """Two agents as two nodes with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (README's line): kill -9
+    of rank 1 after step 10's save; both agents restart and finish with the uninterrupted losses."""
+    full, _ = uninterrupted(tmp_root, 2, 1)
+    folder = tmp_path / "ckpt"
+    agents = _two_agents(folder, _ckpt_args(folder), own_store=True)
+    deadline = time.time() + 300
+    while not any("checkpoint: saved step 10 " in log.read_text() for _, log in agents):
+        assert time.time() < deadline and all(proc.poll() is None for proc, _ in agents), [
+            log.read_text()[-2000:] for _, log in agents]
+        time.sleep(0.2)
+    rank_1 = next(proc for proc, log in agents if "checkpoint: saved step 10 " not in log.read_text())
+    os.kill(_children(rank_1.pid)[-1], signal.SIGKILL)
+    for proc, _ in agents:
+        proc.wait(timeout=600)
+    outs = [log.read_text() for _, log in agents]
+    assert [proc.returncode for proc, _ in agents] == [0, 0], [out[-3000:] for out in outs]
+    resumed = next(out for out in outs if "checkpoint: loaded step 10" in out and "| loss " in out)
+    resumed = resumed.split("checkpoint: loaded step 10")[1]
+    expected = {s: v for s, v in _step_values(full).items() if s > 10}
+    assert _step_values(resumed) == pytest.approx(expected, abs=1e-6, rel=0)
 
 
 def test_unfinished_save_is_skipped_for_the_previous_complete_one(tmp_root, tmp_path):

@@ -198,3 +198,38 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_checkpoints_off
     stop = int(line.split("after step ")[1].split(";")[0])
     assert line == f"stopped by SIGTERM after step {stop}; checkpoints are off: nothing saved", line
     assert max(_step_values(out)) == stop < 10, out[-3000:]  # rank 0, which no signal reached, stopped too
+
+
+SIGNALLED_IN_THE_EXPORT = """
+import os, signal, sys
+import checkpoint, train
+
+write_hf = checkpoint.write_hf
+
+
+def write_hf_signalled(*args):
+    os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's pre-emption, as the HF export starts
+    return write_hf(*args)
+
+
+checkpoint.write_hf = write_hf_signalled
+train.main()
+"""
+
+
+def test_sigterm_in_the_final_hf_export_finishes_the_write_and_stops(tmp_path):
+    """A signal after the loop was noted and never acted on: the held-out loss and the summary ran
+    on. Now the write in progress finishes whole, and the run stops in one line."""
+    folder = tmp_path / "ckpt"
+    script = tmp_path / "signalled_in_the_export.py"
+    script.write_text(SIGNALLED_IN_THE_EXPORT)
+    proc = subprocess.run([sys.executable, str(script), *_ckpt_args(folder, *EAGER, "--checkpoint.last_save_in_hf",
+                                                                     "true")],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1",
+                                                                                PYTHONPATH=str(HERE)))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert _our_lines(out, "stopped by ") == ["stopped by SIGTERM after the HF export; skipped what was left"], out[-3000:]
+    assert "summary:" not in out
+    assert sorted(p.name for p in (folder / "step-20-hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert not (folder / "step-20-hf.tmp").exists()

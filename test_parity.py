@@ -135,9 +135,23 @@ def test_summary_flops_per_token_are_torchtitans_for_the_debugmodel():
     assert report.flops_per_token(hf, cfg) == titan_flops == 38_555_136  # torchtitan's function on HF's model
 
 
-LOSS_PARALLEL_OFF = {"parallelism.loss_parallel": False}
 EAGER = {"compile.enable": False}
 TIED = {"model.tie_word_embeddings": True}
+
+
+def test_summary_flops_per_token_count_a_tied_lm_head():
+    """torchtitan's function lists a tied weight once and subtracts it as the embedding, which
+    dropped lm_head's matmul: about a fifth of Llama 3.2 1B's FLOPs. Tied or not, equal FLOPs."""
+    import report
+
+    cfg = default_config()
+    tied = {**cfg, "model": {**cfg["model"], "tie_word_embeddings": True}}
+    untied_model, tied_model = build_model(cfg["model"]), build_model(tied["model"])
+    assert tied_model.lm_head.weight is tied_model.model.embed_tokens.weight
+    assert report.flops_per_token(tied_model, tied) == report.flops_per_token(untied_model, cfg) == 38_555_136
+
+
+LOSS_PARALLEL_OFF = {"parallelism.loss_parallel": False}
 
 
 def test_loss_parallel_keeps_logits_sharded_with_the_replicated_numbers(tmp_root):

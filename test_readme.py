@@ -14,6 +14,8 @@ import json
 import linecache
 import os
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -30,6 +32,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, assert_every_gradient_matches, free_port, run_tp,
                       small_config)
 from harness import build_family, whole_gradients
+from workarounds import FOREACH_SCALES_PARTIAL_GRADIENTS
+
+FOREACH = None if FOREACH_SCALES_PARTIAL_GRADIENTS else False  # clip_grad_norm_'s, as README's Limits say
 
 EMBEDDING_LINE = "    model.model.embed_tokens.register_forward_hook(lambda _m, _i, out: out.clone())\n"
 
@@ -88,7 +93,7 @@ def adamw_and_schedule(model, t: dict):
 
 def plain_trainer(code: str, arch: str, plan: str, cfg: dict, batches: list, tp_mesh, grads_path: str) -> dict:
     """A user's trainer with `code` pasted in: losses, gradient norms, Dynamo's graph and recompile
-    counts; every parameter's step-1 gradient (before clipping, whole) saved to `grads_path`."""
+    counts; every parameter's step-1 gradient (clipped, whole) saved to `grads_path`."""
     from torch._dynamo.utils import counters, guard_failures
 
     torch._dynamo.reset()
@@ -120,11 +125,11 @@ def plain_trainer(code: str, arch: str, plan: str, cfg: dict, batches: list, tp_
             with loss_parallel():
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
                 loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t["max_norm"], foreach=FOREACH)
             if step == 0:
                 grads = whole_gradients(model)
                 if dist.get_rank() == 0:
                     torch.save(grads, grads_path)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t["max_norm"])
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
@@ -146,9 +151,9 @@ def one_process(arch: str, cfg: dict, batches: list, grads_path: str) -> dict:
     for step, (x, y) in enumerate(batches):
         loss = F.cross_entropy(model(input_ids=x, use_cache=False).logits.flatten(0, 1).float(), y.flatten())
         loss.backward()
+        result["grad_norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), t["max_norm"]).item())
         if step == 0:
             torch.save(whole_gradients(model), grads_path)
-        result["grad_norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), t["max_norm"]).item())
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
@@ -261,3 +266,40 @@ def test_readme_layer_follows_installed_transformers():
     recipe = run_block(readme_blocks((HERE / "README.md").read_text())["recipe-a"])
     assert _normalized_forward(recipe["PositionalLlamaDecoderLayer"].forward) == _normalized_forward(
         LlamaDecoderLayer.forward), "README's recipe A no longer copies transformers' LlamaDecoderLayer.forward"
+
+
+PARTIAL_GRADIENT_CLIPPED = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial
+from torchtitan.distributed.utils import clip_grad_norm_
+import workarounds
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2,))
+for name, clip in (("torchtitan's", clip_grad_norm_), ("the workaround's", workarounds.clip_grad_norm_)):
+    weight = torch.nn.Parameter(DTensor.from_local(torch.ones(4), mesh, [Partial()]))
+    # a SequenceParallel norm's weight gradient: each rank holds its tokens' share (1 and 2)
+    weight.grad = DTensor.from_local(torch.full((4,), 1.0 + dist.get_rank()), mesh, [Partial()])
+    clip([weight], 1.0)  # whole gradient 3 in each of 4 elements: norm 6, scaled to 0.5
+    whole = weight.grad.full_tensor()[0].item()  # every rank takes part
+    if dist.get_rank() == 0:
+        print(f"{name}: {whole:.4f}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.recompile_proof
+def test_without_the_clip_workaround_torch_2_10_leaves_sequence_parallel_gradients_unscaled(tmp_path):
+    """workarounds.clip_grad_norm_ and README's Limits (foreach=False on torch 2.10.0): there the
+    foreach path leaves a Partial gradient as it was. When torchtitan's scales it on every torch
+    CI runs, the workaround and README's sentence may go."""
+    script = tmp_path / "partial_gradient_clipped.py"
+    script.write_text(PARTIAL_GRADIENT_CLIPPED)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           f"--master_port={free_port()}", str(script)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchtitan = "0.5000" if FOREACH_SCALES_PARTIAL_GRADIENTS else "3.0000 (unscaled)"
+    assert [line for line in proc.stdout.splitlines() if "'s: " in line] == [f"torchtitan's: {torchtitan[:6]}", "the workaround's: 0.5000"], (
+        f"{proc.stdout}: torchtitan's clip_grad_norm_ was expected to give {torchtitan} on torch {torch.__version__}")

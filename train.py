@@ -28,14 +28,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torchtitan.distributed.utils import clip_grad_norm_
 
 import checkpoint
 import report
 from config import ConfigError, check_resources, load_config, parse_args, prepare_checkpoint_folder
 from model import build_model, forward_logits
 from parallelize import build_parallel_dims, parallelize
-from workarounds import store_for_this_restart
+from workarounds import clip_grad_norm_, several_nodes_restart_problem, store_for_this_restart
 
 
 def main() -> None:
@@ -64,9 +63,12 @@ def main() -> None:
         data = batches(train_data, t["local_batch_size"], t["seq_len"], generator, dp_mesh)
         run = train_loop(model, optimizer, scheduler, data, range(start_step + 1, t["steps"] + 1), cfg, device,
                          dp_mesh, launch.rank, log, generator=generator)
+        exit_if_signalled(run, device, launch.rank, f"after step {t['steps']}")  # a signal in the last save
         if ckpt["last_save_in_hf"]:
             checkpoint.save_hf(Path(ckpt["folder"]), t["steps"], model, cfg["model"], log)
-        held_out_loss = evaluate(model, held_out, cfg, device, dp_mesh) if cfg["data"]["eval_batches"] else None
+            exit_if_signalled(run, device, launch.rank, "after the HF export")
+        held_out_loss = evaluate(model, held_out, cfg, device, dp_mesh, run.signals)
+        exit_if_signalled(run, device, launch.rank, "in the held-out loss")
         report.log_summary(cfg, run, held_out_loss, model, optimizer, device, log, peak)
     except checkpoint.CheckpointError as e:  # a changed [model] at resume, a full disk
         exit_with(f"error: {e}", launch.rank)
@@ -98,6 +100,8 @@ def config_or_exit(argv: list[str], launch: Launch) -> dict:
         path, overrides = parse_args(argv)
         cfg = load_config(path or str(Path(__file__).with_name("config.toml")), launch.world_size, overrides)
         check_resources(cfg, launch.local_world_size)
+        if problem := several_nodes_restart_problem(launch):
+            raise ConfigError(problem)
         if warning := prepare_checkpoint_folder(cfg["checkpoint"], cfg["model"], rank0=launch.rank == 0):
             print(warning, file=sys.stderr)  # on a shared filesystem, rank 0 checks for all
         return cfg
@@ -205,7 +209,7 @@ def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forwa
     with vocab_parallel(logits):
         loss = cross_entropy(logits, y)
         loss.backward()
-    # torchtitan's clip_grad_norm_ reduces the norm of DTensor (TP/FSDP-sharded) gradients correctly.
+    # torchtitan's, which reduces the norm of DTensor (TP/FSDP-sharded) gradients (workarounds.py).
     grad_norm = clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
     scheduler.step()
@@ -222,6 +226,7 @@ class Run:
     losses: list[float]
     step_times: list[float]
     time_to_first_step: float = 0.0  # from the process's start: imports, data, build, compile
+    signals: list[int] = dataclasses.field(default_factory=list)  # SIGTERM/SIGINT noted, to act on after the loop
 
 
 def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, device, dp_mesh=None, rank: int = 0,
@@ -229,8 +234,8 @@ def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, devic
     """Train `steps`, timing each, logging each, saving on [checkpoint]'s interval. A non-finite
     loss, a recompile (after step 1, with compile.fail_on_recompile) or SIGTERM stops the run in one line."""
     t, comp, ckpt = cfg["training"], cfg["compile"], cfg["checkpoint"]
-    run = Run(steps, [], [])
-    received = note_stop_signals()
+    run = Run(steps, [], [], signals=note_stop_signals())
+    received = run.signals
     for step in steps:
         step_start = time.perf_counter()
         x, y = (z.to(device) for z in next(data))
@@ -278,6 +283,14 @@ def note_stop_signals() -> list[int]:
     return received
 
 
+def exit_if_signalled(run: Run, device: torch.device, rank: int, when: str) -> None:
+    """After the loop, a stop signal noted since ends the run in one line, before the HF export or
+    the held-out loss outlasts a scheduler's grace period (a write in progress finishes first)."""
+    if signum := agreed_signal(run.signals, device):
+        exit_with(f"stopped by {signal.Signals(signum).name} {when}; skipped what was left", rank,
+                  code=128 + signum)
+
+
 def agreed_signal(received: list[int], device: torch.device) -> int:
     """The largest signal number any rank received, 0 for none: the ranks, which a signal can
     reach at different moments, stop after the same step."""
@@ -302,21 +315,24 @@ def stop_on_recompile(step: int, rank: int):
 
 
 @torch.no_grad()
-def evaluate(model, data: torch.Tensor, cfg: dict, device: torch.device, dp_mesh=None) -> float:
-    """Mean loss on held-out batches (the global batch, split over the dp ranks). Eager, so that
-    no_grad, which the compiled blocks were not traced under, compiles no other graph."""
+def evaluate(model, data: torch.Tensor, cfg: dict, device: torch.device, dp_mesh=None, signals=()) -> float | None:
+    """Mean loss on held-out batches (the global batch, split over the dp ranks; None for none), up
+    to a stop signal in `signals`. Eager, so that no_grad, which the compiled blocks were not traced
+    under, compiles no other graph."""
     t = cfg["training"]
     it = batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"] + 1), dp_mesh)
     losses = []
     model.eval()
     with torch.compiler.set_stance("force_eager"):
         for _ in range(cfg["data"]["eval_batches"]):
+            if agreed_signal(signals, device):
+                break
             x, y = (z.to(device) for z in next(it))
             logits = forward_logits(model, x)
             with vocab_parallel(logits):
                 losses.append(global_mean(cross_entropy(logits, y), dp_mesh))
     model.train()
-    return sum(losses) / max(1, len(losses))
+    return sum(losses) / len(losses) if losses else None
 
 
 if __name__ == "__main__":

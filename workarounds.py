@@ -10,7 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torchtitan.distributed.parallel_dims
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
+from torch.torch_version import TorchVersion
+from torchtitan.distributed.utils import clip_grad_norm_ as titan_clip_grad_norm_
 from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 
 
@@ -59,15 +62,43 @@ def silence_fsdp_view_output_warning() -> None:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
+# Measured: wrong on torch 2.10.0, right on 2.15.0; 2.11.0 to 2.14.1 not measured, so they take the workaround.
+FOREACH_SCALES_PARTIAL_GRADIENTS = TorchVersion(torch.__version__) >= (2, 15)
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """Workaround, torch 2.10.0: torchtitan's clip_grad_norm_ scales gradients with
+    `torch._foreach_mul_`, which leaves a `Partial(sum)` DTensor unscaled in silence: the
+    SequenceParallel norms' weight gradients. One `mul_` per gradient scales it. No upstream issue
+    found; related: pytorch/pytorch#170025. test_workarounds.py says when to drop it."""
+    return titan_clip_grad_norm_(parameters, max_norm, foreach=None if FOREACH_SCALES_PARTIAL_GRADIENTS else False)
+
+
 def store_for_this_restart(launch) -> dict:
     """Workaround, torch 2.10.0 and 2.15.0 (pytorch/pytorch#167288): after a `torchrun --max-restarts`
     restart, init_process_group's arguments for a store under a prefix of its own. The new group
     meets in the agent's TCPStore, which keeps the failed attempt's keys, so its ranks may read the
     dead ones' addresses (gloo: `connectFullMesh failed ... Connection refused`; nccl exchanges its
     unique id through the same store). One node only (`launch`: train.Launch), where every rank has
-    one TORCHELASTIC_RESTART_COUNT; on several, README's TORCH_DISABLE_SHARE_RDZV_TCP_STORE."""
+    one TORCHELASTIC_RESTART_COUNT; several nodes need TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (several_nodes_restart_problem)."""
     env, restart = os.environ, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if restart == "0" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or launch.world_size != launch.local_world_size:
         return {}
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), launch.world_size, is_master=False)
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), launch.world_size, is_master=False,
+                          timeout=default_pg_timeout)  # the process group's, not the store's 5 minutes
     return {"store": dist.PrefixStore(f"restart-{restart}", store), "rank": launch.rank, "world_size": launch.world_size}
+
+
+def several_nodes_restart_problem(launch) -> str | None:
+    """The line that stops a job that would hang: with `--max-restarts` on several nodes, an agent
+    whose ranks were healthy restarts them without advancing TORCHELASTIC_RESTART_COUNT, so no
+    prefix is one for every rank, and the group meets the failed attempt's keys in the shared store
+    (measured: no progress for 8 minutes, nothing printed). TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    gives every rendezvous round a new store."""
+    env = os.environ
+    if (int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and launch.world_size != launch.local_world_size):
+        return ("torchrun --max-restarts on several nodes needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node: "
+                "a restarted group would meet the failed one's keys in the agents' shared store and hang")
+    return None
