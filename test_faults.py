@@ -223,13 +223,13 @@ def test_sigterm_in_the_final_hf_export_finishes_the_write_and_stops(tmp_path):
     folder = tmp_path / "ckpt"
     script = tmp_path / "signalled_in_the_export.py"
     script.write_text(SIGNALLED_IN_THE_EXPORT)
-    proc = subprocess.run([sys.executable, str(script), *_ckpt_args(folder, *EAGER, "--checkpoint.last_save_in_hf",
-                                                                     "true")],
+    proc = subprocess.run([sys.executable, str(script), *_ckpt_args(folder, *EAGER, "--training.steps", "2",
+                                                                     "--checkpoint.last_save_in_hf", "true")],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1",
                                                                                 PYTHONPATH=str(HERE)))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert _our_lines(out, "stopped by ") == ["stopped by SIGTERM after the HF export; skipped what was left"], out[-3000:]
     assert "summary:" not in out
-    assert sorted(p.name for p in (folder / "step-20-hf").iterdir()) == ["config.json", "model.safetensors"]
-    assert not (folder / "step-20-hf.tmp").exists()
+    assert sorted(p.name for p in (folder / "step-2-hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert not (folder / "step-2-hf.tmp").exists()
