@@ -235,7 +235,6 @@ def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, devic
     loss, a recompile (after step 1, with compile.fail_on_recompile) or SIGTERM stops the run in one line."""
     t, comp, ckpt = cfg["training"], cfg["compile"], cfg["checkpoint"]
     run = Run(steps, [], [], signals=note_stop_signals())
-    received = run.signals
     for step in steps:
         step_start = time.perf_counter()
         x, y = (z.to(device) for z in next(data))
@@ -252,7 +251,7 @@ def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, devic
                 torch.compiler.set_stance("fail_on_recompile")  # every block is compiled by now
         log(f"step {step:3d} | loss {loss:.6f} | grad norm {grad_norm:.6f} | "
             f"{report.tokens_per_step(cfg) / run.step_times[-1]:7.0f} tokens/s | {time.perf_counter() - t_start:6.1f} s")
-        signum, saved = agreed_signal(received, device), None
+        signum, saved = agreed_signal(run.signals, device), None
         if ckpt["enable"] and (step % ckpt["interval"] == 0 or step == t["steps"] or signum):
             saved = checkpoint.save(Path(ckpt["folder"]), step, ckpt["keep_latest_k"], model, optimizer, scheduler,
                                     generator, log)

@@ -70,7 +70,7 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     """Workaround, torch 2.10.0: torchtitan's clip_grad_norm_ scales gradients with
     `torch._foreach_mul_`, which leaves a `Partial(sum)` DTensor unscaled in silence: the
     SequenceParallel norms' weight gradients. One `mul_` per gradient scales it. No upstream issue
-    found; related: pytorch/pytorch#170025. test_workarounds.py says when to drop it."""
+    found; related: pytorch/pytorch#170025. test_readme.py says when to drop it."""
     return titan_clip_grad_norm_(parameters, max_norm, foreach=None if FOREACH_SCALES_PARTIAL_GRADIENTS else False)
 
 
