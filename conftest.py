@@ -74,22 +74,25 @@ def _rank_main(rank: int, world_size: int, port: int, cfg: dict, out: str, arch:
 def run_ranks(tmp_root: str, world_size: int, arch: str = "llama", float64: bool = False, window: int | None = None,
               **overrides) -> dict:
     """run_training on `world_size` gloo ranks with `small_config(**overrides)`, rank 0's report;
-    its "grads" names the file of every parameter's step-1 gradient.
-
-    A rank killed by a signal (no Python error: once in CI, a SIGABRT with "terminate called
-    without an active exception" while inductor compiled) is run again once, with a warning; a
-    Python error in any rank, or a second signal, fails the test."""
+    its "grads" names the file of every parameter's step-1 gradient."""
     out = Path(tmp_root) / f"{arch}-{window}-{world_size}-{float64}-{abs(hash(tuple(sorted(overrides.items()))))}.json"
+    spawn(_rank_main, lambda port: (world_size, port, small_config(**overrides), str(out), arch, float64, window),
+          world_size, f"{arch} on {world_size} ranks {overrides}")
+    return {**json.loads(out.read_text()), "grads": str(out) + ".grads.pt"}
+
+
+def spawn(main, args_for_port, nprocs: int, what: str) -> None:
+    """mp.spawn(main, args_for_port(a free port), nprocs), run again once, with a warning, when a rank is killed by a
+    signal (no Python error: CI's rare SIGABRT, "terminate called without an active exception";
+    RESULTS.md, faults). A Python error in any rank, or a second signal, fails the test."""
     for attempt in (1, 2):
         try:
-            mp.spawn(_rank_main, args=(world_size, free_port(), small_config(**overrides), str(out), arch, float64,
-                                       window), nprocs=world_size)
-            break
+            mp.spawn(main, args=args_for_port(free_port()), nprocs=nprocs)
+            return
         except mp.ProcessExitedException as e:
             if e.signal_name is None or attempt == 2:
                 raise
-            warnings.warn(f"{arch} on {world_size} ranks {overrides}: {e}; running it again")
-    return {**json.loads(out.read_text()), "grads": str(out) + ".grads.pt"}
+            warnings.warn(f"{what}: {e}; running it again")
 
 
 def run_tp(tmp_root: str, arch: str = "llama", window: int | None = None, **overrides) -> dict:

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import HERE, _config_error_lines, _torchrun, again_if_a_rank_died_of_a_signal, free_port, small_config
+from conftest import (HERE, _config_error_lines, _torchrun, again_if_a_rank_died_of_a_signal, free_port, small_config,
+                      spawn)
 from config import ConfigError, validate
 
 
@@ -393,14 +394,12 @@ def _resume_main(rank: int, port: int, folder: str, out: str) -> None:
 
 
 def test_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_root, tmp_path):
-    import torch.multiprocessing as mp
-
     _, full_folder = uninterrupted(tmp_root, 2, 1)
     folder = tmp_path / "ckpt"
     for name in ("step-15", f"step-{CKPT_STEPS}"):
         shutil.copytree(full_folder / name, folder / name)
     out = tmp_path / "steps.json"
-    mp.spawn(_resume_main, args=(free_port(), str(folder), str(out)), nprocs=2)
+    spawn(_resume_main, lambda port: (port, str(folder), str(out)), 2, "two ranks resuming")
     assert json.loads(out.read_text()) == [CKPT_STEPS, CKPT_STEPS], "rank 1 must load rank 0's choice"
 
 

@@ -16,13 +16,11 @@ import os
 import re
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
@@ -30,7 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, assert_every_gradient_matches, free_port, run_tp,
-                      small_config)
+                      small_config, spawn)
 from harness import build_family, whole_gradients
 from workarounds import FOREACH_SCALES_PARTIAL_GRADIENTS
 
@@ -189,14 +187,7 @@ def run_recipes(tmp_root: str) -> dict:
     results = {}
     for i, (name, case) in enumerate(cases().items()):
         out = Path(tmp_root) / f"readme-case-{i}.json"
-        for attempt in (1, 2):  # conftest.run_ranks' rule: a rank killed by a signal runs once more, with a warning
-            try:
-                mp.spawn(_rank_main, args=(free_port(), case, cfg, str(batches_path), str(out)), nprocs=TP)
-                break
-            except mp.ProcessExitedException as e:
-                if e.signal_name is None or attempt == 2:
-                    raise
-                warnings.warn(f"README's {name} on {TP} ranks: {e}; running it again")
+        spawn(_rank_main, lambda port: (port, case, cfg, str(batches_path), str(out)), TP, f"README's {name} on {TP} ranks")
         results[name] = {**json.loads(out.read_text()), "grads": f"{out}.grads.pt"}
     one = Path(tmp_root) / "readme-qwen3-one.grads.pt"
     results["qwen3, one process"] = {**one_process("qwen3", cfg, torch.load(batches_path), str(one)), "grads": str(one)}

@@ -19,14 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import parallelize
 import train
 from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, assert_every_gradient_matches, free_port, run_2d,
-                      run_one, run_tp, run_training, small_config)
+                      run_one, run_tp, run_training, small_config, spawn)
 from config import validate
 from family_plan import refuse_unplanned_parameters
 from harness import build_family
@@ -156,7 +155,7 @@ def test_norm_output_plan_communicates_as_the_pre_hook_plan(tmp_path):
     traffic: without GATHER_AT_NORM_OUTPUT, q, k and v each all-gather attention's Shard(1)
     input; with its use_local_output=True, each all-reduces its input gradient."""
     out = tmp_path / "counts.json"
-    mp.spawn(_comm_counts_main, args=(free_port(), str(out)), nprocs=TP)
+    spawn(_comm_counts_main, lambda port: (port, str(out)), TP, "the two plans' communication counts")
     counts = json.loads(out.read_text())
     assert counts["norm_output"] == counts["pre_hook"], counts
     assert any("all_gather" in op for op in counts["pre_hook"]), counts
@@ -216,7 +215,7 @@ def test_without_the_norm_planning_gemma3_norms_get_wrong_gradients_in_silence(t
     the plan does not name runs on its rank's tokens, and nothing sums its gradient. Forward
     and backward raise nothing; the gradients are one rank's share."""
     out = tmp_path / "grads.json"
-    mp.spawn(_norm_gradients_main, args=(free_port(), str(out)), nprocs=TP)
+    spawn(_norm_gradients_main, lambda port: (port, str(out)), TP, "gemma3 without the norm planning")
     grads = json.loads(out.read_text())
     torch.manual_seed(0)
     model = build_family("gemma3_text", small_config()["model"])
