@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from materialize import load_hf_slices
 from model import hf_config
 
 MARKER = "complete.json"
@@ -154,7 +155,7 @@ def resume(ckpt: dict, model, optimizer, scheduler, generator, log) -> int:
     if ckpt["initial_load_path"]:
         path, hf = Path(ckpt["initial_load_path"]), ckpt["initial_load_in_hf"]
         if hf:
-            load_hf_weights(model, path)
+            load_hf_slices(model, path)
         else:  # the model part of another run's DCP checkpoint; optimizer and schedule start fresh
             state = {"model": get_model_state_dict(model)}
             require_same_model(path, state["model"])
@@ -200,18 +201,6 @@ def require_same_model(path: Path, model_state: dict) -> None:
 
 # -----------------------------------------------------------------------------
 # Hugging Face weights in and out
-
-def load_hf_weights(model, path: Path) -> None:
-    """Every rank reads the full weights; set_model_state_dict keeps its TP / FSDP shard of them."""
-    from safetensors.torch import load_file
-
-    full = {}
-    for file in sorted(path.glob("*.safetensors")):
-        full.update(load_file(file))
-    if model.config.tie_word_embeddings:  # HF writes the shared tensor once, as the embedding
-        full["lm_head.weight"] = full["model.embed_tokens.weight"]
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=True))
-
 
 def save_hf(folder: Path, step: int, model, model_cfg: dict, log) -> None:
     """Rank 0 writes the full weights as a folder that stock `LlamaForCausalLM.from_pretrained`

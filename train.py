@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 import checkpoint
 import report
 from config import ConfigError, check_resources, load_config, parse_args, prepare_checkpoint_folder
+from materialize import build_on_meta, materialize
 from model import build_model, forward_logits
 from parallelize import build_parallel_dims, parallelize
 from workarounds import clip_grad_norm_, several_nodes_restart_problem, store_for_this_restart
@@ -165,10 +166,11 @@ def batches(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.
 # the model, its optimizer and one step
 
 def build_training(cfg: dict, device: torch.device, parallel_dims=None):
-    """The seeded model parallelized over `parallel_dims` (None: one process), optimizer, LR schedule."""
-    torch.manual_seed(cfg["training"]["seed"])
-    model = build_model(cfg["model"], cfg["parallelism"]["decoder_layer"]).to(device)
+    """The model built on meta, parallelized over `parallel_dims` (None: one process), then each rank's
+    shards filled with the weights one seeded process builds (materialize.py); optimizer, LR schedule."""
+    model, init_ops = build_on_meta(lambda: build_model(cfg["model"], cfg["parallelism"]["decoder_layer"]))
     parallelize(model, parallel_dims, cfg)
+    materialize(model, init_ops, device, cfg["training"]["seed"])
     model.train()
     return model, *build_optimizer(model, cfg["training"])
 

@@ -1,0 +1,113 @@
+"""Build on the meta device, parallelize, then fill each rank's shards: no rank holds the whole model.
+
+`build_on_meta` records every in-place op HF's construction runs on a parameter (the layers'
+`reset_parameters`, then `post_init`'s `_init_weights`); `materialize` replays them in order on
+one full-size host tensor at a time, so the CPU generator gives the weights one seeded process
+builds, and keeps each rank's piece. `load_hf_slices` reads only this rank's piece of each tensor."""
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import torch
+import transformers.modeling_utils
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class InitOps(TorchDispatchMode):
+    """Every in-place op on an existing tensor, in order: (op, target, other args, kwargs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
+            self.ops.append((func, args[0], args[1:], kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def build_on_meta(build):
+    """`build()` on the meta device, with the init ops HF would run on a real one (it skips them on
+    meta: `init_weights`); returns (model, ops), each op's target a `Weight` or None (a tensor that
+    is no parameter by the end, as an lm_head weight replaced by the tie: its draws still count)."""
+    real_device = lambda: torch.device("cpu")  # noqa: E731 (what HF sees: run _init_weights)
+    with torch.device("meta"), InitOps() as recorded, \
+            mock.patch.object(transformers.modeling_utils, "get_torch_context_manager_or_global_device", real_device):
+        model = build()
+    weights = {}  # id(parameter) -> Weight: wrappers added later keep the modules
+    for module_name, module in model.named_modules():
+        for attr, p in ((a, p) for a, p in module._parameters.items() if p is not None):
+            weights.setdefault(id(p), Weight(f"{module_name}.{attr}".lstrip("."), [])).owners.append((module, attr))
+    for _, target, *_ in recorded.ops:
+        if target._base is not None and id(target._base) in weights:
+            raise RuntimeError(f"the build initialises a view of {weights[id(target._base)].name}: not replayed")
+    missing = set(weights) - {id(target) for _, target, *_ in recorded.ops}
+    if missing:
+        raise RuntimeError(f"the build ran no init op on {', '.join(weights[i].name for i in missing)}")
+    return model, [(func, weights.get(id(target)), tuple(target.shape), target.dtype, args, kwargs)
+                   for func, target, args, kwargs in recorded.ops]
+
+
+@dataclass
+class Weight:
+    name: str
+    owners: list  # (module, attribute): two for a tied weight
+
+
+@torch.no_grad()
+def materialize(model, ops, device: torch.device, seed: int) -> None:
+    """Storage for this rank's shards on `device`, filled as `torch.manual_seed(seed)` and the build on
+    a real device would fill them; buffers by HF's `_init_weights` (rotary's inv_freq)."""
+    model.to_empty(device=device)
+    last = {id(weight): i for i, (_, weight, *_) in enumerate(ops) if weight is not None}
+    torch.manual_seed(seed)
+    for i, (func, weight, shape, dtype, args, kwargs) in enumerate(ops):
+        if func is torch.ops.aten.copy_.default:  # from a meta source: a buffer, computed again below
+            continue
+        full = torch.empty(shape, dtype=dtype)  # one parameter at a time, on the host: the generator's stream
+        func(full, *args, **kwargs)
+        if weight is not None and last[id(weight)] == i:
+            param = getattr(*weight.owners[0])
+            for module, attr in weight.owners[1:]:  # to_empty gives a plain tied parameter two copies
+                setattr(module, attr, param)
+            local(param).copy_(full[piece(shape, param)])
+    for module in model.modules():
+        if next(module.buffers(recurse=False), None) is not None:
+            if next(module.parameters(recurse=False), None) is not None:
+                raise RuntimeError(f"{type(module).__name__} has parameters and buffers: its _init_weights would draw again")
+            model._init_weights(module)
+
+
+def load_hf_slices(model, path: Path) -> None:
+    """This rank's piece of every tensor in an HF folder's *.safetensors; a tied lm_head is the embedding."""
+    from safetensors import safe_open
+
+    files = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            files.update((key, file) for key in f.keys())
+    tied = model.config.tie_word_embeddings
+    state = get_model_state_dict(model)  # HF's names -> this rank's shards, sharing the parameters' storage
+    keys = {name: "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name for name in state}
+    if missing := [key for key in keys.values() if key not in files]:
+        raise KeyError(f"{path} has no {', '.join(missing)}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            with safe_open(files[keys[name]], framework="pt") as f:
+                part = f.get_slice(keys[name])
+                local(tensor).copy_(part[piece(tuple(part.get_shape()), tensor)])
+
+
+def piece(shape: tuple, param) -> tuple:
+    """The slices of a full tensor of `shape` that this rank holds of `param`."""
+    if not isinstance(param, DTensor):
+        return tuple(slice(0, n) for n in shape)
+    sizes, offsets = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+
+
+def local(param) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param

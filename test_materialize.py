@@ -1,0 +1,132 @@
+"""The model is built on meta: each rank holds its shards and, while they are filled, one full
+parameter on the host; the weights are the ones a seeded one-process build gives."""
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import train
+from conftest import TP, small_config, spawn
+from config import validate
+from model import build_model
+
+# Large enough that the model, not the interpreter, sets each rank's peak: 58M parameters.
+BIG = {"model.hidden_size": 512, "model.intermediate_size": 1408, "model.num_hidden_layers": 8,
+       "model.vocab_size": 32000, "compile.enable": False}
+
+
+def clean(name: str) -> str:
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_meta_build_gives_the_weights_and_buffers_a_seeded_one_process_build_gives(tied):
+    cfg = small_config(**{"model.tie_word_embeddings": tied})
+    model, *_ = train.build_training(cfg, torch.device("cpu"))
+    torch.manual_seed(cfg["training"]["seed"])
+    reference = build_model(cfg["model"])
+    built = {clean(n): p for n, p in model.named_parameters()}
+    assert built.keys() == dict(reference.named_parameters()).keys()
+    for name, p in reference.named_parameters():
+        assert torch.equal(built[name], p), name
+    for (name, b), (_, want) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
+        assert torch.equal(b, want), name
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
+
+def anonymous_memory() -> int:
+    """This process's resident anonymous memory (RssAnon): not the pages of a mapped safetensors file."""
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("RssAnon:")[1].split()[0]) * 1024
+
+
+def peak_anonymous_memory_above_now(work):
+    """(work(), the most anonymous memory it held above what was held before), sampled every ms."""
+    before, peak, done = anonymous_memory(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], anonymous_memory() - before)
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        return work(), peak[0]
+    finally:
+        done.set()
+        sampler.join()
+
+
+class LargestCopy(TorchDispatchMode):
+    """The most elements any op copies or communicates (views of a mapped file are neither)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":
+            moved = tree_leaves((args, kwargs))
+        elif func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default, torch.ops.aten.clone.default):
+            moved = tree_leaves(out)
+        else:
+            moved = []
+        self.numel = max([self.numel, *(t.numel() for t in moved if isinstance(t, torch.Tensor))])
+        return out
+
+
+def _set_up_main(rank: int, port: int, hf_folder: str, out: str) -> None:
+    """TP 2: set-up, then an HF load, each with this rank's peak memory above what it held before."""
+    import torch.distributed as dist
+
+    import parallelize
+    from materialize import load_hf_slices, local, piece
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(TP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    cfg = small_config(**BIG)
+    validate(cfg, TP)
+    dims = parallelize.build_parallel_dims(cfg, TP, "cpu")
+
+    train.build_training(small_config(), torch.device("cpu"), dims)  # what set-up imports and caches, first
+    (model, *_), set_up = peak_anonymous_memory_above_now(lambda: train.build_training(cfg, torch.device("cpu"), dims))
+    with LargestCopy() as hf_load:
+        load_hf_slices(model, Path(hf_folder))
+    from safetensors import safe_open
+    with safe_open(Path(hf_folder) / "model.safetensors", framework="pt") as f:
+        wrong = [n for n, p in model.named_parameters()
+                 if not torch.equal(local(p), f.get_tensor(clean(n))[piece(tuple(p.shape), p)])]
+    shards = sum(local(p).numel() * 4 for p in model.parameters())
+    largest = max(p.numel() * 4 for p in model.parameters())
+    largest_shard = max(local(p).numel() for p in model.parameters())
+    if rank == 0:
+        Path(out).write_text(json.dumps(dict(set_up=set_up, hf_load=hf_load.numel, largest_shard=largest_shard,
+                                             shards=shards, largest=largest,
+                                             full=sum(p.numel() * 4 for p in model.parameters()), wrong=wrong)))
+    dist.destroy_process_group()
+
+
+def test_on_tp_2_no_rank_holds_the_whole_model_in_set_up_or_hf_load(tmp_path):
+    from checkpoint import write_hf
+
+    cfg = small_config(**BIG)
+    torch.manual_seed(1)
+    write_hf(tmp_path / "hf", {k: v for k, v in build_model(cfg["model"]).state_dict().items()}, cfg["model"])
+    out = tmp_path / "memory.json"
+    spawn(_set_up_main, lambda port: (port, str(tmp_path / "hf"), str(out)), TP, "set-up and HF load on TP 2")
+    m = json.loads(out.read_text())
+    mib = {k: round(v / 2**20) for k, v in m.items() if k in ("set_up", "shards", "largest", "full")}
+    assert not m["wrong"], f"the HF load filled these shards wrong: {m['wrong']}"
+    # A rank's set-up holds its shards and, one at a time, a full parameter (the generator's stream).
+    assert m["set_up"] < 1.25 * (m["shards"] + m["largest"]) < m["full"], mib
+    # The HF load copies each tensor's slices into the shards: nothing larger is copied or sent.
+    assert m["hf_load"] <= m["largest_shard"], (m["hf_load"], m["largest_shard"])
