@@ -1,0 +1,82 @@
+"""Peak memory per rank against model size and mesh: train.py's own summary, 2 steps per run.
+
+    OMP_NUM_THREADS=1 python memory.py        # about 16 minutes on 2 CPU cores
+
+Each run: compile off, AC none, batch 1 x 64 tokens, no held-out loss. "above debugmodel" is a
+rank's peak minus the same mesh's debugmodel peak (the interpreter, torch, gloo, the data), and
+"ratio" that over the rank's params + optimizer: what the model costs per byte of shard."""
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+SIZES = {  # [model] overrides; the vocabulary of a real tokenizer
+    "debugmodel": {},
+    "106M": {"hidden_size": 768, "num_hidden_layers": 8, "intermediate_size": 2048, "vocab_size": 32000},
+    "334M": {"hidden_size": 1024, "num_hidden_layers": 16, "intermediate_size": 4096, "vocab_size": 32000},
+}
+MESHES = {"1 process": (1, 1), "dp_shard 2": (2, 1), "dp_shard 4": (4, 1), "dp_shard 2 x tp 2": (2, 2)}
+FLAGS = ["--compile.enable", "false", "--activation_checkpoint.mode", "none", "--training.steps", "2",
+         "--training.local_batch_size", "1", "--training.seq_len", "64", "--data.eval_batches", "0",
+         "--metrics.measure_cpu_peak", "false"]
+
+
+def run(size: str, dp_shard: int, tp: int, hf: Path | None = None) -> tuple[list[float], float]:
+    """(each rank's peak MiB, params + optimizer MiB on the largest rank) from the run's summary;
+    with `hf`, the weights from that HF folder (checkpoints on: the last step is saved too)."""
+    model = [arg for key, value in SIZES[size].items() for arg in (f"--model.{key}", str(value))]
+    if hf:
+        model += ["--checkpoint.enable", "true", "--checkpoint.folder", str(hf.parent / f"ckpt-{dp_shard}-{tp}"),
+                  "--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf", "true"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={dp_shard * tp}", str(HERE / "train.py"),
+           *FLAGS, *model, "--parallelism.dp_shard", str(dp_shard), "--parallelism.tp", str(tp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise SystemExit(f"{size} on {dp_shard} x {tp} failed:\n{out[-3000:]}")
+    peaks = [float(p) for p in re.search(r"peak memory per rank ([\d, ]+) MiB", out).group(1).split(",")]
+    shard = max(float(p) for p in re.search(r"params \+ optimizer\s+([\d., ]+) MiB per rank", out).group(1).split(","))
+    return peaks, shard
+
+
+def write_hf_folder(size: str, folder: Path) -> Path:
+    """`size`'s seeded model as an HF folder, as stock from_pretrained reads it."""
+    import tomllib
+
+    import torch
+
+    from checkpoint import write_hf
+    from model import build_model
+
+    with open(HERE / "config.toml", "rb") as f:
+        model_cfg = {**tomllib.load(f)["model"], **SIZES[size]}
+    torch.manual_seed(0)
+    write_hf(folder / "hf", build_model(model_cfg).state_dict(), model_cfg)
+    return folder / "hf"
+
+
+def main() -> None:
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="memory-"))
+    hf = write_hf_folder("334M", folder)
+    print("| model | mesh | peak per rank, MiB | params + optimizer per rank, MiB | above debugmodel, MiB | ratio |")
+    print("|---|---|---|---|---|---|")
+    for mesh, (dp_shard, tp) in MESHES.items():
+        base = None
+        rows = [(size, None) for size in SIZES] + ([("334M", hf)] if dp_shard * tp == 4 else [])
+        for size, hf_folder in rows:
+            peaks, shard = run(size, dp_shard, tp, hf_folder)
+            base = base if base is not None else max(peaks)
+            above = max(peaks) - base
+            ratio = f"{above / shard:.2f}" if size != "debugmodel" else "-"
+            name = f"{size}, from an HF folder" if hf_folder else size
+            print(f"| {name} | {mesh} | {', '.join(f'{p:,.0f}' for p in peaks)} | {shard:,.1f} | {above:,.0f} | {ratio} |",
+                  flush=True)
+    shutil.rmtree(folder)
+
+
+if __name__ == "__main__":
+    main()
