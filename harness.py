@@ -158,8 +158,13 @@ def whole_gradients(model) -> dict:
         if p.grad is None:  # unused: none on either side
             continue
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        grads[name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")] = grad.detach().clone()
+        grads[hf_name(name)] = grad.detach().clone()
     return grads
+
+
+def hf_name(name: str) -> str:
+    """A parameter's HF name, without compile's and AC's wrapper prefixes."""
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 def gradient_differences(grads_path: str, reference_path: str) -> dict:

@@ -4,6 +4,7 @@
 `reset_parameters`, then `post_init`'s `_init_weights`); `materialize` replays them in order on
 one full-size host tensor at a time, so the CPU generator gives the weights one seeded process
 builds, and keeps each rank's piece. `load_hf_slices` reads only this rank's piece of each tensor."""
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
@@ -41,9 +42,11 @@ def build_on_meta(build):
     for module_name, module in model.named_modules():
         for attr, p in ((a, p) for a, p in module._parameters.items() if p is not None):
             weights.setdefault(id(p), Weight(f"{module_name}.{attr}".lstrip("."), [])).owners.append((module, attr))
-    for _, target, *_ in recorded.ops:
+    for func, target, *_ in recorded.ops:
         if target._base is not None and id(target._base) in weights:
             raise RuntimeError(f"the build initialises a view of {weights[id(target._base)].name}: not replayed")
+        if func is torch.ops.aten.copy_.default and id(target) in weights:  # its source is on meta: lost
+            raise RuntimeError(f"the build copies into {weights[id(target)].name}: not replayed")
     missing = set(weights) - {id(target) for _, target, *_ in recorded.ops}
     if missing:
         raise RuntimeError(f"the build ran no init op on {', '.join(weights[i].name for i in missing)}")
@@ -65,7 +68,7 @@ def materialize(model, ops, device: torch.device, seed: int) -> None:
     last = {id(weight): i for i, (_, weight, *_) in enumerate(ops) if weight is not None}
     torch.manual_seed(seed)
     for i, (func, weight, shape, dtype, args, kwargs) in enumerate(ops):
-        if func is torch.ops.aten.copy_.default:  # from a meta source: a buffer, computed again below
+        if func is torch.ops.aten.copy_.default:  # into a buffer from a meta source: computed again below
             continue
         full = torch.empty(shape, dtype=dtype)  # one parameter at a time, on the host: the generator's stream
         func(full, *args, **kwargs)
@@ -85,20 +88,17 @@ def load_hf_slices(model, path: Path) -> None:
     """This rank's piece of every tensor in an HF folder's *.safetensors; a tied lm_head is the embedding."""
     from safetensors import safe_open
 
-    files = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            files.update((key, file) for key in f.keys())
     tied = model.config.tie_word_embeddings
     state = get_model_state_dict(model)  # HF's names -> this rank's shards, sharing the parameters' storage
     keys = {name: "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name for name in state}
-    if missing := [key for key in keys.values() if key not in files]:
-        raise KeyError(f"{path} has no {', '.join(missing)}")
-    with torch.no_grad():
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        files = [stack.enter_context(safe_open(file, framework="pt")) for file in sorted(path.glob("*.safetensors"))]
+        holder = {key: f for f in files for key in f.keys()}
+        if missing := [key for key in keys.values() if key not in holder]:
+            raise KeyError(f"{path} has no {', '.join(missing)}")
         for name, tensor in state.items():
-            with safe_open(files[keys[name]], framework="pt") as f:
-                part = f.get_slice(keys[name])
-                local(tensor).copy_(part[piece(tuple(part.get_shape()), tensor)])
+            part = holder[keys[name]].get_slice(keys[name])
+            local(tensor).copy_(part[piece(tuple(part.get_shape()), tensor)])
 
 
 def piece(shape: tuple, param) -> tuple:

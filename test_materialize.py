@@ -14,15 +14,12 @@ from torch.utils._pytree import tree_leaves
 import train
 from conftest import TP, small_config, spawn
 from config import validate
+from harness import hf_name
 from model import build_model
 
 # Large enough that the model, not the interpreter, sets each rank's peak: 58M parameters.
 BIG = {"model.hidden_size": 512, "model.intermediate_size": 1408, "model.num_hidden_layers": 8,
        "model.vocab_size": 32000, "compile.enable": False}
-
-
-def clean(name: str) -> str:
-    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -31,7 +28,7 @@ def test_the_meta_build_gives_the_weights_and_buffers_a_seeded_one_process_build
     model, *_ = train.build_training(cfg, torch.device("cpu"))
     torch.manual_seed(cfg["training"]["seed"])
     reference = build_model(cfg["model"])
-    built = {clean(n): p for n, p in model.named_parameters()}
+    built = {hf_name(n): p for n, p in model.named_parameters()}
     assert built.keys() == dict(reference.named_parameters()).keys()
     for name, p in reference.named_parameters():
         assert torch.equal(built[name], p), name
@@ -104,7 +101,7 @@ def _set_up_main(rank: int, port: int, hf_folder: str, out: str) -> None:
     from safetensors import safe_open
     with safe_open(Path(hf_folder) / "model.safetensors", framework="pt") as f:
         wrong = [n for n, p in model.named_parameters()
-                 if not torch.equal(local(p), f.get_tensor(clean(n))[piece(tuple(p.shape), p)])]
+                 if not torch.equal(local(p), f.get_tensor(hf_name(n))[piece(tuple(p.shape), p)])]
     shards = sum(local(p).numel() * 4 for p in model.parameters())
     largest = max(p.numel() * 4 for p in model.parameters())
     largest_shard = max(local(p).numel() for p in model.parameters())
