@@ -81,18 +81,21 @@ def run_ranks(tmp_root: str, world_size: int, arch: str = "llama", float64: bool
     return {**json.loads(out.read_text()), "grads": str(out) + ".grads.pt"}
 
 
+ATTEMPTS = 3  # launches of one test's ranks when one dies of a signal (spawn, again_if_a_rank_died_of_a_signal)
+
+
 def spawn(main, args_for_port, nprocs: int, what: str) -> None:
-    """mp.spawn(main, args_for_port(a free port), nprocs), run again once, with a warning, when a rank is killed by a
-    signal (no Python error: CI's rare SIGABRT, "terminate called without an active exception";
-    RESULTS.md, faults). A Python error in any rank, or a second signal, fails the test."""
-    for attempt in (1, 2):
+    """mp.spawn(main, args_for_port(a free port), nprocs), run again (at most twice, with a warning)
+    when a rank is killed by a signal with no Python error: CI's rare SIGABRT, "terminate called
+    without an active exception" (RESULTS.md, faults). A Python error in any rank fails the test."""
+    for attempt in range(1, ATTEMPTS + 1):
         try:
             mp.spawn(main, args=args_for_port(free_port()), nprocs=nprocs)
             return
         except mp.ProcessExitedException as e:
-            if e.signal_name is None or attempt == 2:
+            if e.signal_name is None or attempt == ATTEMPTS:
                 raise
-            warnings.warn(f"{what}: {e}; running it again")
+            warnings.warn(f"{what}: {e}; running it again (attempt {attempt + 1} of {ATTEMPTS})")
 
 
 def run_tp(tmp_root: str, arch: str = "llama", window: int | None = None, **overrides) -> dict:
@@ -121,17 +124,24 @@ ROOT_CAUSE_SIGNAL = re.compile(r"Root Cause \(first observed failure\):.*?exitco
 
 
 def again_if_a_rank_died_of_a_signal(launch) -> subprocess.CompletedProcess:
-    """run_ranks' rule for torchrun: `launch()` once more, with a warning, when torchrun's first
-    failing rank was killed by a signal (its report's "exitcode : -6"), before any checkpoint
-    was saved (a rerun then starts the same). The warning carries what the dead rank printed
-    (faulthandler's stacks, PYTHONFAULTHANDLER): CI's SIGABRT's cause is unknown (RESULTS.md, faults)."""
-    proc = launch()
-    out = proc.stdout + (proc.stderr or "")
-    if proc.returncode != 0 and (died := ROOT_CAUSE_SIGNAL.search(out)) and "checkpoint: saved" not in out:
-        evidence = [line for line in out.splitlines() if re.search(r"terminate|Fatal Python|[Tt]hread 0x|  File ", line)]
-        warnings.warn(f"a torchrun rank died of {signal.Signals(int(died.group(1))).name}; running it again. "
-                      "It printed:\n" + "\n".join(evidence[:60]))
+    """run_ranks' rule for torchrun: `launch()` again (at most twice, with a warning) while
+    torchrun's first failing rank was killed by a signal (its report's "exitcode : -6") before
+    any checkpoint was saved (a rerun then starts the same). CI's SIGABRT's cause is unknown
+    (RESULTS.md, faults): what each dead rank printed (faulthandler's stacks, PYTHONFAULTHANDLER)
+    goes into the warning and, when every attempt died, at the end of the returned stdout."""
+    died_before = []
+    for attempt in range(1, ATTEMPTS + 1):
         proc = launch()
+        out = proc.stdout + (proc.stderr or "")
+        died = ROOT_CAUSE_SIGNAL.search(out)
+        if proc.returncode == 0 or not died or "checkpoint: saved" in out:
+            return proc
+        evidence = [line for line in out.splitlines() if re.search(r"terminate|Fatal Python|[Tt]hread 0x|  File ", line)]
+        died_before.append(f"attempt {attempt}: a rank died of {signal.Signals(int(died.group(1))).name}. "
+                           "It printed:\n" + "\n".join(evidence[:60]))
+        if attempt < ATTEMPTS:
+            warnings.warn(died_before[-1] + "\nrunning it again")
+    proc.stdout += "\n\n" + "\n\n".join(died_before)
     return proc
 
 
