@@ -143,6 +143,7 @@ def apply_fsdp(model: LlamaForCausalLM, dp_mesh: DeviceMesh, param_dtype: str, r
     tied = model.config.tie_word_embeddings  # a shared parameter belongs to one group (torchtitan's qwen3)
     if not tied:
         fully_shard(model.model.embed_tokens, **fsdp_config, reshard_after_forward=True)
+        model.model.embed_tokens.set_unshard_in_backward(False)  # its backward needs the token ids only
     for block in model.model.layers:
         fully_shard(block, **fsdp_config, reshard_after_forward=True)
     fully_shard([model.model.embed_tokens] * tied + [model.model.norm, model.lm_head], **fsdp_config,

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import train
-from conftest import TP, small_config, spawn
+from conftest import DP_SHARD, TP, small_config, spawn
 from config import validate
 from harness import hf_name
 from model import build_model
@@ -127,3 +127,49 @@ def test_on_tp_2_no_rank_holds_the_whole_model_in_set_up_or_hf_load(tmp_path):
     assert m["set_up"] < 1.25 * (m["shards"] + m["largest"]) < m["full"], mib
     # The HF load copies each tensor's slices into the shards: nothing larger is copied or sent.
     assert m["hf_load"] <= m["largest_shard"], (m["hf_load"], m["largest_shard"])
+
+
+class AllGathers(TorchDispatchMode):
+    """The output size of every all-gather dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.numels = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d" and "allgather" in func.__name__:
+            self.numels.append(args[0].numel() if isinstance(args[0], torch.Tensor) else sum(t.numel() for t in args[0][0]))
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_gathers_main(rank: int, port: int, out: str) -> None:
+    """dp_shard 2: what FSDP all-gathers in one backward, and each group's size."""
+    import torch.distributed as dist
+
+    import parallelize
+    from model import forward_logits
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(DP_SHARD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    cfg = small_config(**{"parallelism.dp_shard": DP_SHARD, "compile.enable": False})
+    validate(cfg, DP_SHARD)
+    model, *_ = train.build_training(cfg, torch.device("cpu"), parallelize.build_parallel_dims(cfg, DP_SHARD, "cpu"))
+    x = torch.randint(0, 256, (1, cfg["training"]["seq_len"]))
+    loss = train.cross_entropy(forward_logits(model, x), x)
+    with AllGathers() as gathered:
+        loss.backward()
+    if rank == 0:
+        size = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+        Path(out).write_text(json.dumps(dict(gathered=gathered.numels, embedding=size(model.model.embed_tokens),
+                                             blocks=[size(block) for block in model.model.layers])))
+    dist.destroy_process_group()
+
+
+def test_fsdp_backward_gathers_each_block_but_not_the_embedding(tmp_path):
+    out = tmp_path / "gathers.json"
+    spawn(_backward_gathers_main, lambda port: (port, str(out)), DP_SHARD, "one backward on dp_shard 2")
+    m = json.loads(out.read_text())
+    assert m["embedding"] not in m["blocks"]
+    # The embedding's backward needs the token ids only: gathering its weight costs a full copy at the peak.
+    assert sorted(m["gathered"]) == sorted(m["blocks"]), m
