@@ -1,10 +1,13 @@
 """Peak memory per rank against model size and mesh: train.py's own summary, 2 steps per run.
 
-    OMP_NUM_THREADS=1 python memory.py        # about 16 minutes on 2 CPU cores
+    OMP_NUM_THREADS=1 python memory.py        # about 35 minutes on 2 CPU cores
 
-Each run: compile off, AC none, batch 1 x 64 tokens, no held-out loss. "above debugmodel" is a
-rank's peak minus the same mesh's debugmodel peak (the interpreter, torch, gloo, the data), and
-"ratio" that over the rank's params + optimizer: what the model costs per byte of shard."""
+Each run: compile off, AC none, batch 1 x 64 tokens, no held-out loss; once with glibc's
+allocator as it is, once with a fixed mmap threshold (freed tensors of 128 KiB or more go back
+to the OS at once; glibc's default threshold grows to 32 MiB and keeps them in the heap).
+"ratio" is a rank's peak minus the same mesh's debugmodel peak (the interpreter, torch, gloo,
+the data) over the rank's params + optimizer: what the model costs per byte of shard."""
+import os
 import re
 import shutil
 import subprocess
@@ -23,7 +26,10 @@ FLAGS = ["--compile.enable", "false", "--activation_checkpoint.mode", "none", "-
          "--metrics.measure_cpu_peak", "false"]
 
 
-def run(size: str, dp_shard: int, tp: int, hf: Path | None = None) -> tuple[list[float], float]:
+ALLOCATORS = {"glibc's default": {}, "MALLOC_MMAP_THRESHOLD_=131072": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
+
+
+def run(size: str, dp_shard: int, tp: int, hf: Path | None, allocator: dict) -> tuple[list[float], float]:
     """(each rank's peak MiB, params + optimizer MiB on the largest rank) from the run's summary;
     with `hf`, the weights from that HF folder (checkpoints on: the last step is saved too)."""
     model = [arg for key, value in SIZES[size].items() for arg in (f"--model.{key}", str(value))]
@@ -32,7 +38,7 @@ def run(size: str, dp_shard: int, tp: int, hf: Path | None = None) -> tuple[list
                   "--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf", "true"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={dp_shard * tp}", str(HERE / "train.py"),
            *FLAGS, *model, "--parallelism.dp_shard", str(dp_shard), "--parallelism.tp", str(tp)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **allocator})
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise SystemExit(f"{size} on {dp_shard} x {tp} failed:\n{out[-3000:]}")
@@ -62,19 +68,21 @@ def main() -> None:
 
     folder = Path(tempfile.mkdtemp(prefix="memory-"))
     hf = write_hf_folder("334M", folder)
-    print("| model | mesh | peak per rank, MiB | params + optimizer per rank, MiB | above debugmodel, MiB | ratio |")
-    print("|---|---|---|---|---|---|")
+    print("| model | mesh | params + optimizer per rank, MiB |"
+          + "".join(f" peak per rank, MiB ({name}) | ratio |" for name in ALLOCATORS))
+    print("|---|---|---|" + "---|---|" * len(ALLOCATORS))
     for mesh, (dp_shard, tp) in MESHES.items():
-        base = None
+        base = {}
         rows = [(size, None) for size in SIZES] + ([("334M", hf)] if dp_shard * tp == 4 else [])
         for size, hf_folder in rows:
-            peaks, shard = run(size, dp_shard, tp, hf_folder)
-            base = base if base is not None else max(peaks)
-            above = max(peaks) - base
-            ratio = f"{above / shard:.2f}" if size != "debugmodel" else "-"
+            cells = []
+            for name, allocator in ALLOCATORS.items():
+                peaks, shard = run(size, dp_shard, tp, hf_folder, allocator)
+                base.setdefault(name, max(peaks))
+                ratio = f"{(max(peaks) - base[name]) / shard:.2f}" if size != "debugmodel" else "-"
+                cells += [", ".join(f"{p:,.0f}" for p in peaks), ratio]
             name = f"{size}, from an HF folder" if hf_folder else size
-            print(f"| {name} | {mesh} | {', '.join(f'{p:,.0f}' for p in peaks)} | {shard:,.1f} | {above:,.0f} | {ratio} |",
-                  flush=True)
+            print(f"| {name} | {mesh} | {shard:,.1f} | {' | '.join(cells)} |", flush=True)
     shutil.rmtree(folder)
 
 

@@ -64,16 +64,19 @@ def flops_per_token(model, cfg: dict) -> int:
 
 
 def peak_flops(device: torch.device, cfg: dict) -> tuple[float, str] | None:
-    """(every rank's peak FLOP/s together, its source): torchtitan's table for a GPU; on CPU a
-    float32 matmul timed on all ranks at once (metrics.measure_cpu_peak), None without it."""
+    """(every rank's peak FLOP/s together, its source) in the dtype the matmuls run in: torchtitan's
+    bf16 table for bfloat16 parameters on a GPU, else a float32 matmul timed on all ranks at once
+    (a GPU's float32 peak is a fraction of its bf16 one); on CPU only with metrics.measure_cpu_peak."""
     ranks = dist.get_world_size() if dist.is_initialized() else 1
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda and cfg["training"]["mixed_precision_param"] == "bfloat16":
         name = torch.cuda.get_device_name(device)
         peak = get_peak_flops(name)
-        return ranks * peak, f"{ranks} x {name}'s {peak / 1e12:.0f} TFLOP/s bf16 (torchtitan's table)"
-    if not cfg["metrics"]["measure_cpu_peak"]:
+        return ranks * peak, f"{ranks} x {name}'s {peak / 1e12:.0f} TFLOP/s bfloat16 (torchtitan's table)"
+    if not cuda and not cfg["metrics"]["measure_cpu_peak"]:
         return None
-    a, n = torch.randn(1024, 1024), 0
+    size, n = 4096 if cuda else 1024, 0
+    a = torch.randn(size, size, device=device)
     [a @ a for _ in range(3)]  # warm-up
     if dist.is_initialized():
         dist.barrier()  # every rank's core busy at once, as in training
@@ -81,8 +84,14 @@ def peak_flops(device: torch.device, cfg: dict) -> tuple[float, str] | None:
     while (elapsed := time.perf_counter() - start) < 1.0:
         a @ a
         n += 1
-    peaks = gather_from_ranks(2 * 1024**3 * n / elapsed)
-    return sum(peaks), f"a measured {ranks} x {statistics.mean(peaks) / 1e9:.0f} GFLOP/s CPU float32 matmul peak"
+        if cuda:
+            torch.cuda.synchronize(device)
+    peaks = gather_from_ranks(2 * size**3 * n / elapsed)
+    if not cuda:
+        return sum(peaks), f"a measured {ranks} x {statistics.mean(peaks) / 1e9:.0f} GFLOP/s CPU float32 matmul peak"
+    tf32 = " (TF32)" if torch.get_float32_matmul_precision() != "highest" else ""
+    return sum(peaks), (f"a measured {ranks} x {statistics.mean(peaks) / 1e12:.1f} TFLOP/s "
+                        f"{torch.cuda.get_device_name(device)} float32{tf32} matmul peak")
 
 
 def peak_memory_mib(device: torch.device) -> float:
