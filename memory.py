@@ -34,7 +34,8 @@ def run(size: str, dp_shard: int, tp: int, hf: Path | None, allocator: dict) -> 
     with `hf`, the weights from that HF folder (checkpoints on: the last step is saved too)."""
     model = [arg for key, value in SIZES[size].items() for arg in (f"--model.{key}", str(value))]
     if hf:
-        model += ["--checkpoint.enable", "true", "--checkpoint.folder", str(hf.parent / f"ckpt-{dp_shard}-{tp}"),
+        shutil.rmtree(hf.parent / "ckpt", ignore_errors=True)  # the last run's step 2 would leave nothing to train
+        model += ["--checkpoint.enable", "true", "--checkpoint.folder", str(hf.parent / "ckpt"),
                   "--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf", "true"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={dp_shard * tp}", str(HERE / "train.py"),
            *FLAGS, *model, "--parallelism.dp_shard", str(dp_shard), "--parallelism.tp", str(tp)]
