@@ -1,6 +1,6 @@
 """Peak memory per rank against model size and mesh: train.py's own summary, 2 steps per run.
 
-    OMP_NUM_THREADS=1 python memory.py        # about 35 minutes on 2 CPU cores
+    OMP_NUM_THREADS=1 python memory.py        # about 45 minutes on 2 CPU cores
 
 Each run: compile off, AC none, batch 1 x 64 tokens, no held-out loss; once with glibc's
 allocator as it is, once with a fixed mmap threshold (freed tensors of 128 KiB or more go back
