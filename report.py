@@ -77,15 +77,19 @@ def peak_flops(device: torch.device, cfg: dict) -> tuple[float, str] | None:
         return None
     size, n = 4096 if cuda else 1024, 0
     a = torch.randn(size, size, device=device)
-    [a @ a for _ in range(3)]  # warm-up
+
+    def matmul():
+        a @ a
+        if cuda:
+            torch.cuda.synchronize(device)  # time the work, not its launch
+
+    [matmul() for _ in range(3)]  # warm-up
     if dist.is_initialized():
         dist.barrier()  # every rank's core busy at once, as in training
     start = time.perf_counter()
     while (elapsed := time.perf_counter() - start) < 1.0:
-        a @ a
+        matmul()
         n += 1
-        if cuda:
-            torch.cuda.synchronize(device)
     peaks = gather_from_ranks(2 * size**3 * n / elapsed)
     if not cuda:
         return sum(peaks), f"a measured {ranks} x {statistics.mean(peaks) / 1e9:.0f} GFLOP/s CPU float32 matmul peak"
