@@ -1,5 +1,6 @@
 """The model is built on meta: each rank holds its shards and, while they are filled, one full
-parameter on the host; the weights are the ones a seeded one-process build gives."""
+parameter on the host; the weights are the ones a seeded one-process build gives. FSDP's
+backward gathers each block, never the embedding."""
 import json
 import os
 import threading
