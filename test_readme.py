@@ -246,6 +246,8 @@ def test_without_the_embedding_line_recipe_a_fails(tmp_root):
     """Block 0 gets the TP embedding's AsyncCollectiveTensor and a graph of its own (on 2.14.1 and
     2.15.0, then a crash in backward). The test of workarounds.materialize_embedding_output: when
     this fails, the installed torch hands block 0 a plain tensor by itself."""
+    if HOOK_GUARD_BUG:
+        pytest.skip("cases() leaves this case out on torch < 2.11 (CI time); RESULTS.md has its 2.10.0 cell")
     r = run_recipes(tmp_root)["A without the embedding line"]
     assert r["graphs"] == 2, f"block 0 should compile a graph of its own: {r}"
 
