@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import (HERE, _config_error_lines, _torchrun, again_if_a_rank_died_of_a_signal, free_port, small_config,
-                      spawn)
+                      join_gloo, spawn)
 from config import ConfigError, validate
 
 
@@ -375,9 +375,7 @@ def _resume_main(rank: int, port: int, folder: str, out: str) -> None:
     from conftest import small_config
     from config import validate
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join_gloo(rank, 2, port)
     if rank == 1:
         real_state = checkpoint.checkpoint_state
         checkpoint.checkpoint_state = lambda p: "incomplete" if p.name == f"step-{CKPT_STEPS}" else real_state(p)

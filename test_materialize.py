@@ -2,7 +2,6 @@
 parameter on the host; the weights are the ones a seeded one-process build gives. FSDP's
 backward gathers each block, never the embedding."""
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import train
-from conftest import DP_SHARD, TP, small_config, spawn
+from conftest import DP_SHARD, TP, join_gloo, small_config, spawn
 from config import validate
 from harness import hf_name
 from model import build_model
@@ -88,9 +87,7 @@ def _set_up_main(rank: int, port: int, hf_folder: str, out: str) -> None:
     import parallelize
     from materialize import load_hf_slices, local, piece
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(TP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join_gloo(rank, TP, port)
     cfg = small_config(**BIG)
     validate(cfg, TP)
     dims = parallelize.build_parallel_dims(cfg, TP, "cpu")
@@ -150,9 +147,7 @@ def _backward_gathers_main(rank: int, port: int, out: str) -> None:
     import parallelize
     from model import forward_logits
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(DP_SHARD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join_gloo(rank, DP_SHARD, port)
     cfg = small_config(**{"parallelism.dp_shard": DP_SHARD, "compile.enable": False})
     validate(cfg, DP_SHARD)
     model, *_ = train.build_training(cfg, torch.device("cpu"), parallelize.build_parallel_dims(cfg, DP_SHARD, "cpu"))

@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, assert_every_gradient_matches, free_port, run_tp,
-                      small_config, spawn)
+                      join_gloo, small_config, spawn)
 from harness import build_family, whole_gradients
 from workarounds import FOREACH_SCALES_PARTIAL_GRADIENTS
 
@@ -160,9 +160,7 @@ def one_process(arch: str, cfg: dict, batches: list, grads_path: str) -> dict:
 
 
 def _rank_main(rank: int, port: int, case: tuple, cfg: dict, batches_path: str, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(TP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join_gloo(rank, TP, port)
     tp_mesh = init_device_mesh("cpu", (TP,))
     result = plain_trainer(*case, cfg, torch.load(batches_path), tp_mesh, f"{out}.grads.pt")
     if rank == 0:

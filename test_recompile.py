@@ -10,7 +10,6 @@ Run: pytest -v test_recompile.py    (on torch 2.10.0: pytest -v -m recompile_pro
 import ast
 import inspect
 import json
-import os
 import re
 import textwrap
 import warnings
@@ -25,7 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 import parallelize
 import train
 from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, assert_every_gradient_matches, free_port, run_2d,
-                      run_one, run_tp, run_training, small_config, spawn)
+                      join_gloo, run_one, run_tp, run_training, small_config, spawn)
 from config import validate
 from family_plan import refuse_unplanned_parameters
 from harness import build_family
@@ -133,9 +132,7 @@ def _comm_counts_main(rank: int, port: int, out: str) -> None:
     """Collectives of one eager forward + backward, per plan, counted by DTensor's CommDebugMode."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(TP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join_gloo(rank, TP, port)
     counts = {}
     for layer, gather in (("positional", "pre_hook"), ("stock", "norm_output")):
         cfg = small_config(**{"model.num_hidden_layers": 2, "compile.enable": False, "activation_checkpoint.mode": "none",
@@ -183,9 +180,7 @@ def _norm_gradients_main(rank: int, port: int, out: str) -> None:
     norm planning and without it (the norms left plain, the unplanned-parameter refusal off)."""
     import parallelize
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(TP), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join_gloo(rank, TP, port)
     cfg = small_config(**{**NORM_OUTPUT, "parallelism.decoder_layer": "stock", "compile.enable": False,
                           "activation_checkpoint.mode": "none"})
     validate(cfg, TP)
