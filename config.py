@@ -259,8 +259,8 @@ def resolve_mesh(dp_shard: int, tp: int, world_size: int) -> tuple[int, int]:
 
 
 def check_resources(cfg: dict, local_world_size: int) -> None:
-    """A GPU per process where there are GPUs, and memory for each process's share of the
-    parameters, gradients and AdamW's two moments (16 bytes per parameter): the impossible, not the tight."""
+    """A GPU per process where there are GPUs, and memory for what `peak_per_rank` counts: the
+    impossible, not the tight (it leaves out the interpreter, the allocator and the transients)."""
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
         require(local_world_size <= gpus, f"{local_world_size} processes on this node (torchrun --nproc_per_node) "
@@ -270,11 +270,26 @@ def check_resources(cfg: dict, local_world_size: int) -> None:
         meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
         available = int(meminfo["MemAvailable"].split()[0]) * 1024 / local_world_size
         where = f"1/{local_world_size} of this machine's free memory is"
-    p, params = cfg["parallelism"], count_parameters(cfg["model"])
-    need = 16 * params / (p["tp"] * p["dp_shard"])
-    require(need < available, f"[model] has {params:,} parameters: {need / 2**30:,.1f} GiB per process for them, "
-            f"their gradients and AdamW's state (16 bytes each over tp x dp_shard = {p['tp'] * p['dp_shard']}), "
-            f"and {where} {available / 2**30:,.1f} GiB")
+    need = peak_per_rank(cfg)
+    require(sum(need.values()) < available, f"[model] needs {sum(need.values()) / 2**30:,.1f} GiB per process ("
+            + ", ".join(f"{part} {size / 2**30:,.1f}" for part, size in need.items()) + f") and {where} "
+            f"{available / 2**30:,.1f} GiB: raise parallelism.tp or dp_shard, or lower training.local_batch_size or seq_len")
+
+
+def peak_per_rank(cfg: dict) -> dict[str, float]:
+    """Bytes one rank holds at its peak: its shards of the weights, gradients and AdamW's two
+    moments; the largest FSDP group gathered with its gradient; the activations backward keeps,
+    in float32 elements per token as counted by saved-tensor hooks (test_config.py)."""
+    m, t, p = cfg["model"], cfg["training"], cfg["parallelism"]
+    tp, layers, h, v, heads = p["tp"], m["num_hidden_layers"], m["hidden_size"], m["vocab_size"], m["num_attention_heads"]
+    kv, i = h * m["num_key_value_heads"] // heads, m["intermediate_size"]
+    block = (8 * h + 2 * kv + 4 * i + heads) / tp + 2 * h * (1 - 1 / tp)  # attention's and the MLP's inputs gathered
+    head = 2 * h / tp + h + 2 * v / (tp if p["loss_parallel"] else 1)  # norm, lm_head's input, logits and their grad
+    kept = block * layers if cfg["activation_checkpoint"]["mode"] == "none" else h / tp * layers + block  # AC: inputs
+    largest = max(h * (2 * h + 2 * kv + 3 * i + 2), v * h) if p["dp_shard"] > 1 else 0  # a block or lm_head
+    width = 2 if t["mixed_precision_param"] == "bfloat16" else 4
+    return {"shards": 16 * count_parameters(m) / (tp * p["dp_shard"]), "FSDP groups": 2 * width * largest / tp,
+            "activations": width * t["local_batch_size"] * t["seq_len"] * (kept + head)}
 
 
 def count_parameters(model_cfg: dict) -> int:

@@ -1,6 +1,7 @@
 """Peak memory per rank against model size and mesh: train.py's own summary, 2 steps per run.
 
-    OMP_NUM_THREADS=1 python memory.py        # about 45 minutes on 2 CPU cores
+    OMP_NUM_THREADS=1 python memory.py                # about 45 minutes on 2 CPU cores
+    OMP_NUM_THREADS=1 python memory.py --activations  # long sequences against config.peak_per_rank
 
 Each run: compile off, AC none, batch 1 x 64 tokens, no held-out loss; once with glibc's
 allocator as it is, once with a fixed mmap threshold (freed tensors of 128 KiB or more go back
@@ -29,10 +30,10 @@ FLAGS = ["--compile.enable", "false", "--activation_checkpoint.mode", "none", "-
 ALLOCATORS = {"glibc's default": {}, "MALLOC_MMAP_THRESHOLD_=131072": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
 
 
-def run(size: str, dp_shard: int, tp: int, hf: Path | None, allocator: dict) -> tuple[list[float], float]:
+def run(size: str, dp_shard: int, tp: int, hf: Path | None, allocator: dict, extra: tuple = ()) -> tuple[list[float], float]:
     """(each rank's peak MiB, params + optimizer MiB on the largest rank) from the run's summary;
     with `hf`, the weights from that HF folder (checkpoints on: the last step is saved too)."""
-    model = [arg for key, value in SIZES[size].items() for arg in (f"--model.{key}", str(value))]
+    model = [arg for key, value in SIZES[size].items() for arg in (f"--model.{key}", str(value))] + list(extra)
     if hf:
         shutil.rmtree(hf.parent / "ckpt", ignore_errors=True)  # the last run's step 2 would leave nothing to train
         model += ["--checkpoint.enable", "true", "--checkpoint.folder", str(hf.parent / "ckpt"),
@@ -87,5 +88,27 @@ def main() -> None:
     shutil.rmtree(folder)
 
 
+def activations() -> None:
+    """The debugmodel at long sequences, batch 1, with a fixed mmap threshold (what is allocated,
+    not what glibc keeps): each run's peak over the same run at 64 tokens, beside the activation
+    term of config.peak_per_rank, the memory check's estimate."""
+    from config import load_config, parse_args, peak_per_rank
+
+    allocator = ALLOCATORS["MALLOC_MMAP_THRESHOLD_=131072"]
+    print("| mesh | AC | seq_len | peak per rank, MiB | over 64 tokens, MiB | estimated activations over 64 tokens, MiB |")
+    print("|---|---|---|---|---|---|")
+    for mesh, tp in (("1 process", 1), ("tp 2 + SP", 2)):
+        for ac in ("none", "full"):
+            base = {}
+            for seq in (64, 1024, 4096, 8192):
+                extra = ("--activation_checkpoint.mode", ac, "--training.seq_len", str(seq))
+                peaks, _ = run("debugmodel", 1, tp, None, allocator, extra)
+                _, overrides = parse_args([*FLAGS, *extra, "--parallelism.tp", str(tp), "--parallelism.dp_shard", "1"])
+                estimate = peak_per_rank(load_config(str(HERE / "config.toml"), tp, overrides))["activations"] / 2**20
+                base.setdefault("peak", max(peaks)), base.setdefault("estimate", estimate)
+                print(f"| {mesh} | {ac} | {seq} | {', '.join(f'{p:,.0f}' for p in peaks)} | "
+                      f"{max(peaks) - base['peak']:,.0f} | {estimate - base['estimate']:,.0f} |", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    activations() if "--activations" in sys.argv else main()
