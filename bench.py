@@ -10,6 +10,9 @@ Variants, same shapes, data, seed, optimizer, TP degree, full AC and inductor pe
   eager    patched, without compile
   titan    torchtitan.models.llama3 debugmodel with torchtitan's apply_tp/apply_ac/apply_compile,
            holding patched's initial weights (so its loss column equals patched's)
+  native   transformers' own TP (from_pretrained with DistributedConfig(tp_size)), no sequence
+           parallel; the same weights through an HF folder, HF's checkpointing, each block compiled
+The loss gap is each variant's largest per-step difference from one process (eager, same batches).
 Each run is its own torchrun process group. A cold round (empty inductor cache) comes first,
 then warm rounds (cache kept); within a round the variants alternate, so drift hits all alike.
 """
@@ -30,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).parent
-VARIANTS = ("patched", "stock", "norm", "eager", "titan")
+VARIANTS = ("patched", "stock", "norm", "eager", "titan", "native")
 RESULT_TAG = "BENCH_RESULT "
 
 
@@ -47,7 +50,7 @@ def variant_config(variant: str, args) -> dict:
     cfg["training"].update(steps=args.steps, local_batch_size=args.batch, seq_len=args.seq_len)
     cfg["model"]["num_hidden_layers"] = args.layers
     cfg["model"]["max_position_embeddings"] = max(args.seq_len, cfg["model"]["max_position_embeddings"])
-    cfg["parallelism"]["decoder_layer"] = "stock" if variant in ("stock", "norm") else "positional"
+    cfg["parallelism"]["decoder_layer"] = "stock" if variant in ("stock", "norm", "native") else "positional"
     cfg["parallelism"]["attention_gather"] = "norm_output" if variant == "norm" else "pre_hook"
     cfg["compile"]["enable"] = variant != "eager"
     cfg["compile"]["fail_on_recompile"] = False  # the benchmark counts recompiles instead
@@ -97,6 +100,45 @@ def build_titan(cfg: dict, device):
     return model, *build_optimizer(model, t)
 
 
+def build_native(cfg: dict, device, folder: Path):
+    """transformers' own tensor parallelism: the seeded model written as an HF folder, read back
+    by from_pretrained with DistributedConfig (its plan, no sequence parallel), then HF's
+    activation checkpointing and each block compiled, as transformers' docs show."""
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from model import build_model
+    from train import build_optimizer
+
+    t = cfg["training"]
+    if dist.get_rank() == 0:
+        torch.manual_seed(t["seed"])
+        build_model(cfg["model"], "stock").save_pretrained(folder)
+    dist.barrier()
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                             distributed_config=DistributedConfig(tp_size=dist.get_world_size()))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for block in model.model.layers:
+        block.compile(backend="inductor", fullgraph=True)
+    model.train()
+    return model.to(device), *build_optimizer(model, t)
+
+
+def clip_dtensor_and_plain_grads_(parameters, max_norm: float):
+    """torch's clipping for a model whose gradients are some DTensors, some plain (transformers'
+    TP): torchtitan's clip_grad_norm_ refuses the mix in one foreach call."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    squares = [g.norm() ** 2 for g in grads]
+    total = sum(s.full_tensor() if isinstance(s, DTensor) else s for s in squares).sqrt()
+    for g in grads:
+        g.mul_((max_norm / (total + 1e-6)).clamp(max=1.0))
+    return total
+
+
 def worker(variant: str, args) -> None:
     import torch
     import torch.distributed as dist
@@ -117,6 +159,10 @@ def worker(variant: str, args) -> None:
     if variant == "titan":
         model, optimizer, scheduler = build_titan(cfg, device)
         forward = lambda model, x: model(x)  # noqa: E731
+    elif variant == "native":
+        model, optimizer, scheduler = build_native(cfg, device, Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "hf")
+        forward = lambda model, x: model(x).logits  # noqa: E731
+        train.clip_grad_norm_ = clip_dtensor_and_plain_grads_
     else:
         model, optimizer, scheduler = train.build_training(cfg, device, parallelize.build_parallel_dims(cfg, launch.world_size, device.type))
         forward = train.forward_logits
@@ -132,7 +178,7 @@ def worker(variant: str, args) -> None:
         result = dict(variant=variant, time_to_first_step=run.time_to_first_step, tokens_per_s=tokens_per_s,
                       mfu=flops * tokens_per_s / peak[0], peak=peak[1],
                       peak_mib=peaks, graphs=graphs, recompiles=recompiles,
-                      first_loss=run.losses[0], last_loss=run.losses[-1])
+                      losses=run.losses)
         print(RESULT_TAG + json.dumps(result), flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -142,9 +188,9 @@ def worker(variant: str, args) -> None:
 # driver: cold round, warm rounds, one table
 
 
-def run_variant(variant: str, args, cache_dir: Path) -> dict:
+def run_variant(variant: str, args, cache_dir: Path, nproc: int | None = None) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc or args.nproc}",
            str(Path(__file__).resolve()), "--worker", variant, "--seq-len", str(args.seq_len),
            "--batch", str(args.batch), "--steps", str(args.steps), "--layers", str(args.layers)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -165,14 +211,15 @@ def describe(r: dict) -> str:
             f"graphs {r['graphs']}, recompiles {r['recompiles']}")
 
 
-def summarize(cold: dict, warm: list[dict]) -> dict:
+def summarize(cold: dict, warm: list[dict], one: list[float]) -> dict:
     runs = [cold] + warm
     return dict(cold_ttfs=cold["time_to_first_step"],
                 warm_ttfs=statistics.median(r["time_to_first_step"] for r in warm) if warm else None,
                 tokens_per_s=statistics.median(r["tokens_per_s"] for r in runs),
                 mfu=statistics.median(r["mfu"] for r in runs), peak=cold["peak"],
                 peak_mib=max(max(r["peak_mib"]) for r in runs), graphs=cold["graphs"],
-                recompiles=cold["recompiles"], first_loss=cold["first_loss"], last_loss=cold["last_loss"])
+                recompiles=cold["recompiles"], first_loss=cold["losses"][0], last_loss=cold["losses"][-1],
+                loss_gap=max(abs(a - b) for a, b in zip(cold["losses"], one, strict=True)))
 
 
 def print_table(rows: dict, args) -> None:
@@ -187,18 +234,18 @@ def print_table(rows: dict, args) -> None:
     peaks = {r["peak"] for r in rows.values() if "peak" in r}
     print(f"MFU of {', '.join(sorted(peaks))}")
     print("| variant | first step cold (s) | first step warm (s) | steady tokens/s | vs titan | MFU | "
-          "peak MiB/rank | graphs | recompiles | loss first -> last |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "peak MiB/rank | graphs | recompiles | loss first -> last | loss gap |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     titan = rows.get("titan")
     for name, r in rows.items():
         if "error" in r:
-            print(f"| {name} | failed: {r['error'][:200]} ||||||||")
+            print(f"| {name} | failed: {r['error'][:200]} |||||||||")
             continue
         ratio = f"{r['tokens_per_s'] / titan['tokens_per_s']:.2f}x" if titan and "error" not in titan else "-"
         warm = f"{r['warm_ttfs']:.1f}" if r["warm_ttfs"] is not None else "-"
         print(f"| {name} | {r['cold_ttfs']:.1f} | {warm} | {r['tokens_per_s']:.0f} | {ratio} | {r['mfu']:.0%} | "
               f"{r['peak_mib']:.0f} | {r['graphs']} | {r['recompiles']} | "
-              f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
+              f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} | {r['loss_gap']:.1e} |")
 
 
 def main() -> None:
@@ -238,9 +285,12 @@ def main() -> None:
                 r = run_variant(v, args, cache_root / v)
                 print(f"round {round_} ({'cold' if round_ == 0 else 'warm'}) {v}: {describe(r)}", flush=True)
                 runs[v].append(r)
+        one = run_variant("eager", args, cache_root / "one", nproc=1)  # the reference: one process
+        if "error" in one:
+            raise SystemExit(f"the one-process reference failed: {one['error']}")
     finally:
         shutil.rmtree(cache_root, ignore_errors=True)
-    rows = {v: rs[0] if "error" in rs[0] else summarize(rs[0], [r for r in rs[1:] if "error" not in r])
+    rows = {v: rs[0] if "error" in rs[0] else summarize(rs[0], [r for r in rs[1:] if "error" not in r], one["losses"])
             for v, rs in runs.items()}
     print_table(rows, args)
 

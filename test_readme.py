@@ -282,7 +282,7 @@ dist.destroy_process_group()
 
 @pytest.mark.recompile_proof
 def test_without_the_clip_workaround_torch_2_10_leaves_sequence_parallel_gradients_unscaled(tmp_path):
-    """workarounds.clip_grad_norm_ and README's Limits (foreach=False on torch 2.10.0): there the
+    """workarounds.clip_grad_norm_ and README's Limits (foreach=False on torch 2.10.0 and 2.11.0): there the
     foreach path leaves a Partial gradient as it was. When torchtitan's scales it on every torch
     CI runs, the workaround and README's sentence may go."""
     script = tmp_path / "partial_gradient_clipped.py"

@@ -62,12 +62,12 @@ def silence_fsdp_view_output_warning() -> None:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
-# Measured: wrong on torch 2.10.0, right on 2.15.0; 2.11.0 to 2.14.1 not measured, so they take the workaround.
-FOREACH_SCALES_PARTIAL_GRADIENTS = TorchVersion(torch.__version__) >= (2, 15)
+# Measured (test_readme.py -k clip_workaround): wrong on torch 2.10.0 and 2.11.0, right on 2.12.0-2.15.0.
+FOREACH_SCALES_PARTIAL_GRADIENTS = TorchVersion(torch.__version__) >= (2, 12)
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """Workaround, torch 2.10.0: torchtitan's clip_grad_norm_ scales gradients with
+    """Workaround, torch 2.10.0 and 2.11.0: torchtitan's clip_grad_norm_ scales gradients with
     `torch._foreach_mul_`, which leaves a `Partial(sum)` DTensor unscaled in silence: the
     SequenceParallel norms' weight gradients. One `mul_` per gradient scales it. No upstream issue
     found; related: pytorch/pytorch#170025. test_readme.py says when to drop it."""
