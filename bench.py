@@ -1,9 +1,10 @@
-"""Benchmark: this project's HF path against torchtitan's native llama3 debugmodel.
+"""Benchmark: this project's HF path against torchtitan's llama3 debugmodel and transformers' own TP.
 
-    python bench.py --quick                       # under 10 minutes on 2 CPU cores
-    python bench.py --seq-len 2048 --batch 2      # the long-sequence comparison
+    python bench.py --quick                       # about 20 minutes on 2 CPU cores
+    python bench.py --seq-len 4096 --batch 1 --steps 3 --warm-rounds 0 --variants patched,native --ac none
+                                                  # memory at a long sequence, with and without SP
 
-Variants, same shapes, data, seed, optimizer, TP degree, full AC and inductor per block:
+Variants, same shapes, data, seed, optimizer, TP degree, AC (full unless --ac none) and inductor per block:
   patched  train.py's model with PositionalLlamaDecoderLayer (the fix)
   stock    train.py's model with HF's LlamaDecoderLayer and the input_kwarg_layouts plan
   norm     HF's LlamaDecoderLayer with the plan-only fix (attention's input gathered at the norm)
@@ -49,6 +50,7 @@ def variant_config(variant: str, args) -> dict:
         cfg = tomllib.load(f)
     cfg["training"].update(steps=args.steps, local_batch_size=args.batch, seq_len=args.seq_len)
     cfg["model"]["num_hidden_layers"] = args.layers
+    cfg["activation_checkpoint"]["mode"] = args.ac
     cfg["model"]["max_position_embeddings"] = max(args.seq_len, cfg["model"]["max_position_embeddings"])
     cfg["parallelism"]["decoder_layer"] = "stock" if variant in ("stock", "norm", "native") else "positional"
     cfg["parallelism"]["attention_gather"] = "norm_output" if variant == "norm" else "pre_hook"
@@ -93,8 +95,9 @@ def build_titan(cfg: dict, device):
         apply_tp(model, tp_mesh, loss_parallel=cfg["parallelism"]["loss_parallel"], enable_float8_tensorwise_tp=False)
         # torchtitan's own model hits the same AsyncCollectiveTensor backward failure on torch 2.14.1.
         materialize_embedding_output(model.tok_embeddings)
-    apply_ac(model, ActivationCheckpoint(mode="full"), model_compile_enabled=True,
-             op_sac_save_list=OP_SAC_SAVE_LIST)
+    if cfg["activation_checkpoint"]["mode"] == "full":
+        apply_ac(model, ActivationCheckpoint(mode="full"), model_compile_enabled=True,
+                 op_sac_save_list=OP_SAC_SAVE_LIST)
     apply_compile(model, Compile(enable=True, backend="inductor"))
     model.train()
     return model, *build_optimizer(model, t)
@@ -119,7 +122,8 @@ def build_native(cfg: dict, device, folder: Path):
     dist.barrier()
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                              distributed_config=DistributedConfig(tp_size=dist.get_world_size()))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg["activation_checkpoint"]["mode"] == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for block in model.model.layers:
         block.compile(backend="inductor", fullgraph=True)
     model.train()
@@ -161,7 +165,7 @@ def worker(variant: str, args) -> None:
         forward = lambda model, x: model(x)  # noqa: E731
     elif variant == "native":
         model, optimizer, scheduler = build_native(cfg, device, Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "hf")
-        forward = lambda model, x: model(x).logits  # noqa: E731
+        forward = lambda model, x: model(x, use_cache=False).logits  # noqa: E731 (a KV cache recompiles per block)
         train.clip_grad_norm_ = clip_dtensor_and_plain_grads_
     else:
         model, optimizer, scheduler = train.build_training(cfg, device, parallelize.build_parallel_dims(cfg, launch.world_size, device.type))
@@ -192,7 +196,8 @@ def run_variant(variant: str, args, cache_dir: Path, nproc: int | None = None) -
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc or args.nproc}",
            str(Path(__file__).resolve()), "--worker", variant, "--seq-len", str(args.seq_len),
-           "--batch", str(args.batch), "--steps", str(args.steps), "--layers", str(args.layers)]
+           "--batch", str(args.batch), "--steps", str(args.steps), "--layers", str(args.layers),
+           "--ac", args.ac]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
@@ -229,7 +234,7 @@ def print_table(rows: dict, args) -> None:
 
     print(f"\n{os.cpu_count()} CPU cores, {args.nproc} ranks (TP={args.nproc}), {args.layers} layers, "
           f"batch {args.batch}, "
-          f"seq {args.seq_len}, {args.steps} steps, {args.warm_rounds} warm round(s); torch {torch.__version__}, "
+          f"seq {args.seq_len}, AC {args.ac}, {args.steps} steps, {args.warm_rounds} warm round(s); torch {torch.__version__}, "
           f"torchtitan {torchtitan.__version__}, transformers {transformers.__version__}")
     peaks = {r["peak"] for r in rows.values() if "peak" in r}
     print(f"MFU of {', '.join(sorted(peaks))}")
@@ -256,6 +261,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="default 20 (8 with --quick)")
     parser.add_argument("--warm-rounds", type=int, default=None, help="default 2 (1 with --quick)")
     parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--ac", choices=("full", "none"), default="full", help="activation checkpointing")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
