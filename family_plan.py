@@ -5,14 +5,19 @@ every other family, and its refusals for every model.
 """
 
 import ast
+import copy
 import functools
 import inspect
 import re
 import textwrap
 
+import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel)
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.torch_version import TorchVersion
 
 
 class PlanError(ValueError):
@@ -22,7 +27,10 @@ class PlanError(ValueError):
 NORM = re.compile(r"(RMS|Layer)Norm")  # HF's norm classes: LlamaRMSNorm, CohereLayerNorm, nn.LayerNorm
 ATTENTION_NORMS = ("input_layernorm", "attention_layernorm")  # the norm whose output attention reads
 MLP_PROJECTIONS = {"gate_proj": "in", "up_proj": "in", "c_fc": "in", "fc1": "in",
-                   "down_proj": "out", "c_proj": "out", "fc2": "out"}
+                   "down_proj": "out", "c_proj": "out", "fc2": "out", "gate_up_proj": "in"}
+FUSED_PARTS = {"gate_up_proj": 2, "qkv_proj": 3}  # HF's fused projections: [gate; up], [q; k; v]
+# linear on a _StridedShard weight: measured to work on torch 2.12.0-2.15.0, to fail on 2.10.0 and 2.11.0.
+STRIDED_LINEAR = TorchVersion(torch.__version__) >= (2, 12)
 
 
 def block_plan(block: nn.Module, attention_gather: str) -> dict:
@@ -33,12 +41,16 @@ def block_plan(block: nn.Module, attention_gather: str) -> dict:
     attention's input is gathered, and is a plain tensor elsewhere (a residual add)."""
     gather_at = attention_norm(block) if attention_gather == "norm_output" else "input_layernorm"
     norms = [name for name, module in block.named_children() if NORM.search(type(module).__name__)]
-    return {
+    plan = {
         **{name: SequenceParallel(use_local_output=name != gather_at) for name in norms},
         **attention_plan(block.self_attn),
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         **mlp_plan(block.mlp),
     }
+    if "self_attn" in plan and attention_gather != "norm_output":
+        raise PlanError(f"{type(block.self_attn).__name__} needs LocalHeads where a pre-hook plan puts attention's "
+                        "input: gather at the norm's output (recipe B)")
+    return plan
 
 
 def attention_norm(block: nn.Module) -> str:
@@ -51,29 +63,88 @@ def attention_norm(block: nn.Module) -> str:
 
 
 def attention_plan(attn: nn.Module) -> dict:
-    """q, k, v column-wise, o row-wise back to Shard(1); a per-head q/k norm as torchtitan's HF
-    backend plans Qwen3's (each rank holds its own heads on dim 2, the weight's gradient summed)."""
-    children = dict(attn.named_children())
-    missing = [name for name in ("q_proj", "k_proj", "v_proj", "o_proj") if name not in children]
-    if missing:
-        raise PlanError(f"{type(attn).__name__} has no {', '.join(missing)} (it has {', '.join(children)}): "
+    """q, k, v column-wise (phi3's fused qkv_proj as FusedColwiseParallel), o row-wise back to
+    Shard(1); a per-head q/k norm as torchtitan's HF backend plans Qwen3's (each rank holds its own
+    heads on dim 2, the weight's gradient summed); LocalHeads where attention counts its heads."""
+    name, children = type(attn).__name__, dict(attn.named_children())
+    fused = "qkv_proj" in children
+    projections = ("qkv_proj", "o_proj") if fused else ("q_proj", "k_proj", "v_proj", "o_proj")
+    if missing := [p for p in projections if p not in children]:
+        raise PlanError(f"{name} has no {', '.join(missing)} (it has {', '.join(children)}): "
                         "column-wise TP would split a fused projection across q, k and v")
-    if other := next((n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not isinstance(children[n], nn.Linear)), None):
-        raise PlanError(f"{type(attn).__name__}.{other} is a {type(children[other]).__name__}, not an nn.Linear: "
+    if other := next((p for p in projections if not isinstance(children[p], nn.Linear)), None):
+        raise PlanError(f"{name}.{other} is a {type(children[other]).__name__}, not an nn.Linear: "
                         "torch's TP styles shard nn.Linear")
-    if reshape := _global_head_reshape(type(attn)):
-        raise PlanError(f"{type(attn).__name__} reshapes with the global head count ({reshape}), "
-                        "but TP leaves each rank 1/TP of the heads: its attention code needs a patch")
-    plan = {f"self_attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+    plan = {f"self_attn.{p}": ColwiseParallel() for p in projections[:-1]}
     plan["self_attn.o_proj"] = RowwiseParallel(output_layouts=Shard(1))
-    for name, module in children.items():
+    if fused:
+        heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
+        if kv_heads != heads:
+            raise PlanError(f"{name}.qkv_proj fuses {heads} query heads with {kv_heads} key/value heads: "
+                            "no one placement gives a rank its query heads and their key/value heads")
+        plan["self_attn.qkv_proj"] = FusedColwiseParallel(name, "qkv_proj")
+    if counts := "qkv_proj's slices" if fused else _global_head_reshape(type(attn)):
+        if per_head := next((n for n, m in children.items() if n not in projections and
+                             getattr(m, "weight", None) is None and next(m.parameters(), None) is not None), None):
+            raise PlanError(f"{name}.{per_head} holds one module per head, indexed by the global head count "
+                            f"({counts}): LocalHeads would leave each rank the first 1/TP of them")
+        plan["self_attn"] = LocalHeads()
+    for child, module in children.items():
         if NORM.search(type(module).__name__) and getattr(module, "weight", None) is not None:  # else no gradient
             width = module.weight.shape[-1]
             if width != attn.head_dim:
-                raise PlanError(f"{type(attn).__name__}.{name} normalizes {width} features across heads "
+                raise PlanError(f"{name}.{child} normalizes {width} features across heads "
                                 f"(head_dim {attn.head_dim}): under TP each rank would normalize its own heads only")
-            plan[f"self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan[f"self_attn.{child}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """Column-wise TP for a projection that fuses equal parts ([gate; up], MHA's [q; k; v]): each
+    rank holds the r-th 1/TP of every part (`_StridedShard`), so that HF's split of the local output
+    is right and `full_tensor()` is HF's layout. Stock ColwiseParallel would reorder the output."""
+
+    def __init__(self, owner: str, name: str):
+        super().__init__()
+        self.parts = FUSED_PARTS[name]
+        if not STRIDED_LINEAR:
+            raise PlanError(f"{owner}.{name} is fused: sharding it needs linear on a _StridedShard weight, "
+                            f"torch >= 2.12 (this is {torch.__version__})")
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for key, param in module.named_parameters():
+            placement = _StridedShard(0, split_factor=self.parts)
+            module.register_parameter(key, nn.Parameter(distribute_tensor(param, device_mesh, [placement],
+                                                                          src_data_rank=self.src_data_rank)))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local()  # [part 0's r-th 1/TP; part 1's; ...]
+
+
+class LocalHeads(ParallelStyle):
+    """For attention that slices or reshapes by its head counts (phi3's qkv, stablelm's view):
+    each rank's counts, its own and its config's divided by TP; one config copy for every block,
+    so that Dynamo serves them all from one graph."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        tp = device_mesh.size()
+        for name in ("num_heads", "num_key_value_heads"):
+            if hasattr(module, name):
+                setattr(module, name, getattr(module, name) // tp)
+        module.config = _local_config(module.config, tp)
+        return module
+
+
+_LOCAL_CONFIGS = {}  # (id(config), tp): (config, its per-rank copy)
+
+
+def _local_config(config, tp: int):
+    if (id(config), tp) not in _LOCAL_CONFIGS:
+        local = copy.copy(config)
+        local.num_attention_heads, local.num_key_value_heads = config.num_attention_heads // tp, config.num_key_value_heads // tp
+        _LOCAL_CONFIGS[id(config), tp] = (config, local)
+    return _LOCAL_CONFIGS[id(config), tp][1]
 
 
 @functools.cache  # one parse per attention class, not per block
@@ -90,15 +161,17 @@ def _global_head_reshape(attention_class: type) -> str | None:
 
 
 def mlp_plan(mlp: nn.Module) -> dict:
-    """The MLP's input projections column-wise, its output projection row-wise back to Shard(1)."""
+    """The MLP's input projections column-wise (a fused [gate; up] as FusedColwiseParallel), its
+    output projection row-wise back to Shard(1)."""
     linears = [name for name, module in mlp.named_children() if isinstance(module, nn.Linear)]
     unknown = [name for name in linears if name not in MLP_PROJECTIONS]
     if not linears:
         raise PlanError(f"{type(mlp).__name__} has no nn.Linear projection (experts?) for the plan to shard")
     if unknown:
         raise PlanError(f"{type(mlp).__name__}.{unknown[0]} is not one of {', '.join(MLP_PROJECTIONS)}: "
-                        "column-wise TP would split a fused projection (gate_up_proj) across its parts")
-    return {f"mlp.{name}": ColwiseParallel() if MLP_PROJECTIONS[name] == "in" else RowwiseParallel(output_layouts=Shard(1))
+                        f"column-wise TP would split a fused projection ({unknown[0]}) across its parts")
+    return {f"mlp.{name}": RowwiseParallel(output_layouts=Shard(1)) if MLP_PROJECTIONS[name] == "out" else
+            FusedColwiseParallel(type(mlp).__name__, name) if name in FUSED_PARTS else ColwiseParallel()
             for name in linears}
 
 

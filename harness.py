@@ -41,15 +41,19 @@ def small_config(**overrides) -> dict:
 def build_family(family: str, model_cfg: dict, kv_heads: int = 8, window: int | None = None):
     """A randomly initialised `*ForCausalLM` of `family` (a transformers model_type) with
     [model]'s sizes, from the family's own config class; `window`: its sliding window, switched on
-    (qwen2's use_sliding_window) in the upper half of the blocks where the family lets it choose."""
+    (qwen2's use_sliding_window) in the upper half of the blocks where the family lets it choose.
+    Variants after "+": "mha" (as many key/value heads as heads), or a config flag set True
+    ("stablelm+qk_layernorm")."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    family, *variants = family.split("+")
     heads = model_cfg["num_attention_heads"]
+    kv_heads = heads if "mha" in variants else kv_heads
     sizes = dict(hidden_size=model_cfg["hidden_size"], intermediate_size=model_cfg["intermediate_size"],
                  num_hidden_layers=model_cfg["num_hidden_layers"], num_attention_heads=heads,
                  num_key_value_heads=kv_heads, head_dim=model_cfg["hidden_size"] // heads,
                  vocab_size=model_cfg["vocab_size"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                 use_cache=False, tie_word_embeddings=False)
+                 use_cache=False, tie_word_embeddings=False, **{flag: True for flag in variants if flag != "mha"})
     if window:
         sizes.update(sliding_window=window, use_sliding_window=True, max_window_layers=model_cfg["num_hidden_layers"] // 2)
     try:

@@ -104,14 +104,12 @@ KWARGS_ATTENTION_INPUT = PrepareModuleInput(input_kwarg_layouts={"hidden_states"
 def block_plan(model: nn.Module, block: nn.Module, decoder_layer: str, attention_gather: str) -> dict:
     """LLAMA_BLOCK_PLAN, or another family's derived from its modules (family_plan.py; for Llama
     blocks the same dict: test_recompile), with attention's input for the recipe."""
-    if isinstance(model, LlamaForCausalLM):
-        plan = dict(LLAMA_BLOCK_PLAN)
-    else:
-        plan = {**family_plan.block_plan(block, attention_gather), "self_attn": LLAMA_BLOCK_PLAN["self_attn"]}
+    plan = dict(LLAMA_BLOCK_PLAN) if isinstance(model, LlamaForCausalLM) else family_plan.block_plan(block, attention_gather)
     if attention_gather == "norm_output":  # recipe B: gathered at the attention norm's output
-        del plan["self_attn"]
-    elif decoder_layer == "stock":
-        plan["self_attn"] = KWARGS_ATTENTION_INPUT
+        if plan.get("self_attn") is LLAMA_BLOCK_PLAN["self_attn"]:  # not family_plan's LocalHeads
+            del plan["self_attn"]
+    else:  # family_plan refuses a family whose attention has a style of its own here
+        plan["self_attn"] = KWARGS_ATTENTION_INPUT if decoder_layer == "stock" else LLAMA_BLOCK_PLAN["self_attn"]
     return plan
 
 

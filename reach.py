@@ -117,7 +117,7 @@ def has_sliding_window(family: str) -> bool:
     from transformers import AutoConfig
 
     try:
-        return "sliding_window" in AutoConfig.for_model(family).to_dict()
+        return "sliding_window" in AutoConfig.for_model(family.split("+")[0]).to_dict()
     except Exception:  # a default config that does not build
         return False
 

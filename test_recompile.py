@@ -26,7 +26,7 @@ import train
 from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, assert_every_gradient_matches, free_port, run_2d,
                       join_gloo, run_one, run_tp, run_training, small_config, spawn)
 from config import validate
-from family_plan import refuse_unplanned_parameters
+from family_plan import STRIDED_LINEAR, refuse_unplanned_parameters
 from harness import build_family
 from model import PositionalLlamaDecoderLayer, build_model, forward_logits
 from parallelize import apply_tp
@@ -159,12 +159,16 @@ def test_norm_output_plan_communicates_as_the_pre_hook_plan(tmp_path):
 
 
 @pytest.mark.parametrize("arch, window, graphs", [("gemma3_text", 48, 1), ("mistral", 16, 1), ("cohere2", 48, 2),
-                                                   ("gemma2", 16, 1)])
+                                                   ("gemma2", 16, 1), ("glm4", None, 1), ("phi3+mha", 16, 1),
+                                                   ("stablelm", None, 1)])
 def test_norm_output_plan_fixes_other_hf_architectures(tmp_root, arch, window, graphs):
     """Per-head q/k norms and four block norms (gemma), each planned by its type; a sliding window
     between seq_len / TP and seq_len (48) or under it (16), from masks built for the whole
-    sequence; gemma2's eager attention. One graph per kind of block (cohere2: sliding layers with
-    RoPE and full ones without, the second a recompile; gemma2's two kinds differ in the mask alone). reach.py runs every dense family and both windows, on torch 2.10.0 too (RESULTS.md)."""
+    sequence; gemma2's eager attention; fused projections (glm4's [gate; up], phi3's [q; k; v]
+    and [gate; up]) and per-rank head counts (phi3, stablelm). One graph per kind of block
+    (cohere2: sliding layers with RoPE and full ones without, the second a recompile; gemma2's two
+    kinds differ in the mask alone). reach.py runs every dense family and both windows, on torch
+    2.10.0 too (RESULTS.md)."""
     r = run_tp(tmp_root, arch, window=window, **{"parallelism.decoder_layer": "stock", **NORM_OUTPUT})
     assert r["error"] is None, r["error"]
     assert r["kwargs_hooks"] == []
@@ -227,9 +231,11 @@ def test_without_the_norm_planning_gemma3_norms_get_wrong_gradients_in_silence(t
 @pytest.mark.recompile_proof
 @pytest.mark.parametrize("family, message", [
     ("olmo2", "Olmo2DecoderLayer has no norm before attention (input_layernorm or attention_layernorm)"),
-    ("phi3", "Phi3Attention has no q_proj, k_proj, v_proj (it has o_proj, qkv_proj)"),
-    ("glm4", "Glm4MLP.gate_up_proj is not one of gate_proj, up_proj"),
-    ("stablelm", "StableLmAttention reshapes with the global head count"),
+    ("phi3", "Phi3Attention.qkv_proj fuses 16 query heads with 8 key/value heads: no one placement"),
+    ("stablelm+qk_layernorm", "StableLmAttention.q_layernorm holds one module per head, indexed by the global head count"),
+    *([] if STRIDED_LINEAR else [(family, f"{owner}.{name} is fused: sharding it needs linear on a _StridedShard "
+                                          "weight, torch >= 2.12") for family, owner, name in
+                                 (("glm4", "Glm4MLP", "gate_up_proj"), ("phi3+mha", "Phi3Attention", "qkv_proj"))]),
     ("biogpt", "BioGptForCausalLM has no model.embed_tokens: the plan names HF's Llama layout"),
 ])
 def test_tp_plan_refuses_what_it_cannot_make_correct_before_any_change(family, message):
