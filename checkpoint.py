@@ -21,9 +21,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
+from torch.utils._pytree import tree_map
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from materialize import load_hf_slices
+from materialize import load_hf_slices, without_strided_shards
 from model import hf_config
 
 MARKER = "complete.json"
@@ -78,8 +79,9 @@ def write_marker(path: Path, step: int) -> str | None:
 # save and resume
 
 def training_state(model, optimizer, scheduler, generator: torch.Generator, step: int) -> dict:
-    """Everything a resume needs; also the template that DCP loads into."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    """Everything a resume needs; also the template that DCP loads into. Fused weights as Shard:
+    HF's layout, which DCP takes (materialize.without_strided_shards)."""
+    model_sd, optim_sd = tree_map(without_strided_shards, get_state_dict(model, optimizer))
     return {"model": model_sd, "optim": optim_sd,
             "train": {"step": step, "scheduler": scheduler.state_dict(), "data_rng": generator.get_state()}}
 
@@ -157,7 +159,7 @@ def resume(ckpt: dict, model, optimizer, scheduler, generator, log) -> int:
         if hf:
             load_hf_slices(model, path)
         else:  # the model part of another run's DCP checkpoint; optimizer and schedule start fresh
-            state = {"model": get_model_state_dict(model)}
+            state = {"model": tree_map(without_strided_shards, get_model_state_dict(model))}
             require_same_model(path, state["model"])
             dcp.load(state, checkpoint_id=path)
             set_model_state_dict(model, state["model"])

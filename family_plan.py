@@ -13,7 +13,7 @@ import textwrap
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -38,7 +38,8 @@ def block_plan(block: nn.Module, attention_gather: str) -> dict:
     holds; PlanError for what it cannot make correct. Every norm outside attention and the MLP is
     SequenceParallel, found by type, so that its weight's gradient is summed over the TP group (an
     unplanned norm trains on its rank's tokens only, in silence). Its output stays a DTensor where
-    attention's input is gathered, and is a plain tensor elsewhere (a residual add)."""
+    attention's input is gathered, and is a plain tensor elsewhere (a residual add). A post-norm
+    block (olmo2) has no such norm: attention gathers its input by keyword (KWARGS_ATTENTION_INPUT)."""
     gather_at = attention_norm(block) if attention_gather == "norm_output" else "input_layernorm"
     norms = [name for name, module in block.named_children() if NORM.search(type(module).__name__)]
     plan = {
@@ -47,19 +48,23 @@ def block_plan(block: nn.Module, attention_gather: str) -> dict:
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         **mlp_plan(block.mlp),
     }
-    if "self_attn" in plan and attention_gather != "norm_output":
+    if gather_at is None:
+        plan["self_attn"] = KWARGS_ATTENTION_INPUT
+    if isinstance(plan.get("self_attn"), LocalHeads) and attention_gather != "norm_output":
         raise PlanError(f"{type(block.self_attn).__name__} needs LocalHeads where a pre-hook plan puts attention's "
                         "input: gather at the norm's output (recipe B)")
     return plan
 
 
-def attention_norm(block: nn.Module) -> str:
-    """The norm whose output attention reads: where recipe B gathers."""
-    for name in ATTENTION_NORMS:
-        if hasattr(block, name):
-            return name
-    raise PlanError(f"{type(block).__name__} has no norm before attention ({' or '.join(ATTENTION_NORMS)}): "
-                    "a post-norm block, where recipe B has no module to gather at; vendor the layer (recipe A)")
+def attention_norm(block: nn.Module) -> str | None:
+    """The norm whose output attention reads: where recipe B gathers; None in a post-norm block."""
+    return next((name for name in ATTENTION_NORMS if hasattr(block, name)), None)
+
+
+# HF's layers pass attention's input by keyword: a with_kwargs pre-hook, whose id Dynamo guards on
+# per block on torch <= 2.10 (pytorch/pytorch#170110), a recompile per block there.
+KWARGS_ATTENTION_INPUT = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()})
 
 
 def attention_plan(attn: nn.Module) -> dict:
@@ -89,14 +94,37 @@ def attention_plan(attn: nn.Module) -> dict:
             raise PlanError(f"{name}.{per_head} holds one module per head, indexed by the global head count "
                             f"({counts}): LocalHeads would leave each rank the first 1/TP of them")
         plan["self_attn"] = LocalHeads()
-    for child, module in children.items():
+    sharded = {children[p].out_features for p in projections[:-1]} | {children["o_proj"].in_features}
+    return {**plan, **norms_plan(attn, "self_attn", {attn.head_dim: SequenceParallel(sequence_dim=2, use_local_output=True),
+                                                     **dict.fromkeys(sharded, NormAcrossShards())})}
+
+
+def norms_plan(parent: nn.Module, prefix: str, style_by_width: dict) -> dict:
+    """Styles for the norms inside attention or the MLP, by the width they normalize: one head
+    (Qwen3's q_norm), or every feature TP shards (olmo2's q_norm, bitnet's sub-norms)."""
+    plan = {}
+    for child, module in parent.named_children():
         if NORM.search(type(module).__name__) and getattr(module, "weight", None) is not None:  # else no gradient
-            width = module.weight.shape[-1]
-            if width != attn.head_dim:
-                raise PlanError(f"{name}.{child} normalizes {width} features across heads "
-                                f"(head_dim {attn.head_dim}): under TP each rank would normalize its own heads only")
-            plan[f"self_attn.{child}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            if (width := module.weight.shape[-1]) not in style_by_width:
+                raise PlanError(f"{type(parent).__name__}.{child} normalizes {width} features, neither one head nor "
+                                f"what TP shards ({', '.join(map(str, style_by_width))})")
+            plan[f"{prefix}.{child}"] = style_by_width[width]
     return plan
+
+
+class NormAcrossShards(ParallelStyle):
+    """A norm over features that TP shards (olmo2's q_norm across heads, bitnet's sub-norms): it
+    runs on their Shard(-1) DTensor with its weight Shard(0), so that its mean reduces across ranks."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def shard_weights(_name, norm, mesh):
+            for key, param in list(norm.named_parameters(recurse=False)):
+                norm.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+        return distribute_module(
+            module, device_mesh, shard_weights,
+            lambda _norm, inputs, mesh: (DTensor.from_local(inputs[0], mesh, [Shard(-1)], run_check=False), *inputs[1:]),
+            lambda _norm, output, mesh: output.redistribute(mesh, [Shard(-1)]).to_local())
 
 
 class FusedColwiseParallel(ColwiseParallel):
@@ -120,6 +148,13 @@ class FusedColwiseParallel(ColwiseParallel):
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         return outputs.to_local()  # [part 0's r-th 1/TP; part 1's; ...]
+
+
+def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
+    """FSDP2's `shard_placement_fn`: Shard(1) for a fused weight, as FSDP's default Shard(0) over
+    its rows would be mislabelled (its `full_tensor()`, so the HF export, goes wrong in silence)."""
+    strided = isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements)
+    return Shard(1) if strided else None
 
 
 class LocalHeads(ParallelStyle):
@@ -170,9 +205,10 @@ def mlp_plan(mlp: nn.Module) -> dict:
     if unknown:
         raise PlanError(f"{type(mlp).__name__}.{unknown[0]} is not one of {', '.join(MLP_PROJECTIONS)}: "
                         f"column-wise TP would split a fused projection ({unknown[0]}) across its parts")
-    return {f"mlp.{name}": RowwiseParallel(output_layouts=Shard(1)) if MLP_PROJECTIONS[name] == "out" else
-            FusedColwiseParallel(type(mlp).__name__, name) if name in FUSED_PARTS else ColwiseParallel()
-            for name in linears}
+    out = next(getattr(mlp, name) for name in linears if MLP_PROJECTIONS[name] == "out")
+    return {**{f"mlp.{name}": RowwiseParallel(output_layouts=Shard(1)) if MLP_PROJECTIONS[name] == "out" else
+               FusedColwiseParallel(type(mlp).__name__, name) if name in FUSED_PARTS else ColwiseParallel()
+               for name in linears}, **norms_plan(mlp, "mlp", {out.in_features: NormAcrossShards()})}
 
 
 def require_llama_layout_and_masks(model: nn.Module) -> None:

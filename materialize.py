@@ -11,8 +11,9 @@ from unittest import mock
 
 import torch
 import transformers.modeling_utils
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -96,15 +97,30 @@ def load_hf_slices(model, path: Path) -> None:
         holder = {key: f for f in files for key in f.keys()}
         if missing := [key for key in keys.values() if key not in holder]:
             raise KeyError(f"{path} has no {', '.join(missing)}")
-        for name, tensor in state.items():
+        plain = {name: without_strided_shards(tensor) for name, tensor in state.items()}
+        for name, tensor in plain.items():
             part = holder[keys[name]].get_slice(keys[name])
             local(tensor).copy_(part[piece(tuple(part.get_shape()), tensor)])
+    if any(plain[name] is not tensor for name, tensor in state.items()):
+        set_model_state_dict(model, plain)  # into the fused weights' strided shards
+
+
+def without_strided_shards(value):
+    """A fused weight's DTensor (family_plan.FusedColwiseParallel), or its AdamW state, as Shard
+    on the same dim: a slice of HF's layout. DCP refuses _StridedShard (`overlapping chunks`,
+    torch 2.15.0); `set_state_dict` copies such a copy back into the strided parameter."""
+    if not isinstance(value, DTensor) or not any(isinstance(p, _StridedShard) for p in value.placements):
+        return value
+    return value.redistribute(value.device_mesh, [Shard(p.dim) if isinstance(p, _StridedShard) else p
+                                                  for p in value.placements])
 
 
 def piece(shape: tuple, param) -> tuple:
     """The slices of a full tensor of `shape` that this rank holds of `param`."""
     if not isinstance(param, DTensor):
         return tuple(slice(0, n) for n in shape)
+    if any(isinstance(p, _StridedShard) for p in param.placements):
+        raise NotImplementedError(f"{param.placements}: a fused weight's rows are no one slice (without_strided_shards)")
     sizes, offsets = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
     return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
 

@@ -72,7 +72,7 @@ def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str, a
     workarounds.materialize_embedding_output(model.model.embed_tokens)
     for i, (block, plan) in enumerate(zip(model.model.layers, plans)):
         parallelize_module(block, tp_mesh, plan)
-        if attention_gather == "norm_output":
+        if attention_gather == "norm_output" and attention_norm(block):  # not post-norm (olmo2)
             # A second call: a plan holds one style per module, and the attention norm has two.
             parallelize_module(block.get_submodule(attention_norm(block)), tp_mesh, GATHER_AT_NORM_OUTPUT)
         refuse_unplanned_parameters(block, f"model.layers.{i}")
@@ -97,8 +97,7 @@ LLAMA_BLOCK_PLAN = {
 }
 # HF's layer passes hidden_states by keyword: a with_kwargs pre-hook, whose id Dynamo guards on
 # per block on torch <= 2.10 (pytorch/pytorch#170110).
-KWARGS_ATTENTION_INPUT = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()})
+KWARGS_ATTENTION_INPUT = family_plan.KWARGS_ATTENTION_INPUT
 
 
 def block_plan(model: nn.Module, block: nn.Module, decoder_layer: str, attention_gather: str) -> dict:
@@ -137,7 +136,7 @@ def apply_fsdp(model: LlamaForCausalLM, dp_mesh: DeviceMesh, param_dtype: str, r
     embedding), then the root. Gradients keep FSDP's average over the dp ranks (README, "Other launches")."""
     workarounds.silence_fsdp_view_output_warning()
     mp_policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=getattr(torch, reduce_dtype))
-    fsdp_config = {"mesh": dp_mesh, "mp_policy": mp_policy}
+    fsdp_config = {"mesh": dp_mesh, "mp_policy": mp_policy, "shard_placement_fn": family_plan.fsdp_shard_placement}
     tied = model.config.tie_word_embeddings  # a shared parameter belongs to one group (torchtitan's qwen3)
     if not tied:
         fully_shard(model.model.embed_tokens, **fsdp_config, reshard_after_forward=True)
