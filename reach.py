@@ -19,15 +19,22 @@ import tempfile
 import time
 import warnings
 
-# The families named in the survey's brief, then any other dense decoder-only family found.
+# The families named in the survey's brief, then any other dense decoder-only family found; two
+# variants of a family's config ("+", harness.build_family): Phi-3-mini's MHA, stablelm's qk_layernorm.
 FAMILIES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "gemma", "gemma2", "gemma3_text",
-            "cohere", "cohere2", "olmo", "olmo2", "phi3", "glm", "glm4", "stablelm", "starcoder2", "helium",
-            "smollm3", "ernie4_5", "seed_oss", "arcee", "nemotron", "exaone4", "hunyuan_v1_dense", "apertus")
+            "cohere", "cohere2", "olmo", "olmo2", "phi3", "phi3+mha", "glm", "glm4", "stablelm",
+            "stablelm+qk_layernorm", "starcoder2", "helium", "smollm3", "ernie4_5", "seed_oss", "arcee", "nemotron",
+            "exaone4", "hunyuan_v1_dense", "apertus")
 # Why, for results the error line does not explain (diagnosed by reading the family's code).
 CAUSES = {
     "cohere2": "two kinds of block: only its sliding-window layers apply RoPE",
     "smollm3": "two kinds of block: every 4th layer has no RoPE (NoPE)",
-    "exaone4": "post-norm blocks; the kwargs plan's 2 graphs are its sliding and full attention layers",
+    "olmo2": "post-norm: attention's input gathered by keyword, which recompiles per block on torch 2.10.0",
+    "olmo3": "post-norm: attention's input gathered by keyword, which recompiles per block on torch 2.10.0",
+    "exaone4": "post-norm, as olmo2; 2 graphs: its sliding and full attention layers",
+    "glm": "a fused [gate; up]: _StridedShard, whose linear fails before torch 2.12",
+    "glm4": "a fused [gate; up]: _StridedShard, whose linear fails before torch 2.12",
+    "phi3+mha": "Phi-3-mini's layout: fused [q; k; v] and [gate; up], each rank's head count; torch >= 2.12",
     "apertus": "its MLP's xIELU activation has parameters, fed the column-sharded features",
     "cohere_compass_text": "the builder's limit: its default config has no RoPE parameters for its layer type, "
                            "so the model does not build at any size",

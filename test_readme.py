@@ -51,7 +51,7 @@ def cases() -> dict[str, tuple[str, str, str]]:
     assert set(blocks) == {"plan", "recipe-a", "recipe-b", "both"}, f"README's recipe blocks: {sorted(blocks)}"
     a, b = (blocks["plan"] + blocks[recipe] + blocks["both"] for recipe in ("recipe-a", "recipe-b"))
     found = {"A": (a, "llama", "readme"), "B": (b, "llama", "readme"), "B on qwen3, Llama's plan": (b, "qwen3", "readme"),
-             "B on qwen3, family_plan.py": (b, "qwen3", "family_plan")}
+             "B on qwen3, family_plan.py": (b, "qwen3", "family_plan"), "B on olmo2, family_plan.py": (b, "olmo2", "family_plan")}
     if not HOOK_GUARD_BUG:  # CI time: on torch 2.10.0 too block 0 compiles its own graph (RESULTS.md)
         found["A without the embedding line"] = (a.replace(EMBEDDING_LINE, ""), "llama", "readme")
     return found
@@ -71,7 +71,7 @@ def copied_family_plan(folder: str):
     path = Path(folder) / "copied_family_plan.py"
     path.write_text((HERE / "family_plan.py").read_text())
     spec = importlib.util.spec_from_file_location("copied_family_plan", path)
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # as `import` does: Dynamo looks it up
     spec.loader.exec_module(module)
     return module
 
@@ -187,8 +187,9 @@ def run_recipes(tmp_root: str) -> dict:
         out = Path(tmp_root) / f"readme-case-{i}.json"
         spawn(_rank_main, lambda port: (port, case, cfg, str(batches_path), str(out)), TP, f"README's {name} on {TP} ranks")
         results[name] = {**json.loads(out.read_text()), "grads": f"{out}.grads.pt"}
-    one = Path(tmp_root) / "readme-qwen3-one.grads.pt"
-    results["qwen3, one process"] = {**one_process("qwen3", cfg, torch.load(batches_path), str(one)), "grads": str(one)}
+    for arch in ("qwen3", "olmo2"):
+        one = Path(tmp_root) / f"readme-{arch}-one.grads.pt"
+        results[f"{arch}, one process"] = {**one_process(arch, cfg, torch.load(batches_path), str(one)), "grads": str(one)}
     return results
 
 
@@ -229,6 +230,23 @@ def test_readme_recipe_b_with_the_copied_family_plan_trains_qwen3_as_one_process
     imported = {(node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
                 for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
     assert not imported & {p.stem for p in HERE.glob("*.py")}, f"family_plan.py imports {imported}"
+
+
+@pytest.mark.recompile_proof
+def test_readme_recipe_b_with_the_copied_family_plan_trains_post_norm_olmo2_as_one_process(tmp_root):
+    """A post-norm block has no norm before attention: family_plan gathers attention's input by
+    keyword, and README's recipe B skips its norm call. One graph and one process's numbers on the
+    pinned torch; on torch 2.10.0 the recompile per block README names (the kwargs hook's id)."""
+    results = run_recipes(tmp_root)
+    r, single = results["B on olmo2, family_plan.py"], results["olmo2, one process"]
+    if HOOK_GUARD_BUG:
+        assert r["error"].startswith("FailOnRecompileLimitHit"), r["error"]
+        assert "_forward_pre_hooks_with_kwargs" in r["recompile_reasons"][0], r["recompile_reasons"]
+        return
+    assert r["error"] is None, r["error"]
+    assert (r["graphs"], r["recompile_reasons"]) == (1, []), r["recompile_reasons"]
+    assert r["losses"] == pytest.approx(single["losses"], abs=1e-5)
+    assert_every_gradient_matches(r, single)
 
 
 def test_readme_forward_logits_is_the_trainers():
