@@ -432,8 +432,8 @@ FUSED_FAMILIES = ("glm4", "phi3+mha")  # [gate; up]; phi3 also [q; k; v]
 
 def _fused_family_main(rank: int, port: int, folder: str) -> None:
     """For each family on dp_shard 2 x tp 2 (eager): 4 steps with a DCP save after step 2, then a
-    fresh model resumed from it for steps 3-4; the HF weights as save_hf gathers them, and the
-    logits of the trained model; those weights loaded by slices (load_hf_slices) into a fresh one."""
+    fresh model resumed from it for steps 3-4; step 4 saved too, the HF weights as save_hf gathers
+    them, and the logits of the trained model; those weights loaded by slices (load_hf_slices)."""
     import torch.distributed as dist
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -471,7 +471,9 @@ def _fused_family_main(rank: int, port: int, folder: str) -> None:
             return losses
 
         model, optimizer, scheduler, dp_mesh = build()
-        uninterrupted = run(model, optimizer, scheduler, torch.Generator().manual_seed(t["seed"]), dp_mesh, range(1, 5), 2)
+        generator = torch.Generator().manual_seed(t["seed"])
+        uninterrupted = run(model, optimizer, scheduler, generator, dp_mesh, range(1, 5), 2)
+        checkpoint.save(Path(folder, family + "-end"), 4, 0, model, optimizer, scheduler, generator, quiet)
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         with torch.no_grad():
             logits = whole(train.forward_logits(model, x))
@@ -501,8 +503,11 @@ def test_fused_families_resume_and_export_exact_on_dp_shard_and_tp(tmp_path):
     """glm4 and phi3 (MHA) on dp_shard 2 x tp 2: the fused weights are _StridedShard on TP and
     Shard(1) on FSDP (family_plan.fsdp_shard_placement; FSDP's Shard(0) mislabels them: the
     export's logits 3.0 off), and saved and loaded by DCP as Shard (it refuses _StridedShard).
-    A DCP resume gives the uninterrupted losses; the HF export loads into one process with the
-    trained model's logits, and back by slices into dp_shard 2 x tp 2."""
+    A DCP resume gives the uninterrupted losses, and the last checkpoint loads into one process as
+    the HF export's weights (HF's layout, on another mesh); the HF export loads into one process
+    with the trained model's logits, and back by slices into dp_shard 2 x tp 2."""
+    import torch.distributed.checkpoint as dcp
+
     from harness import build_family
     from model import forward_logits
 
@@ -517,3 +522,6 @@ def test_fused_families_resume_and_export_exact_on_dp_shard_and_tp(tmp_path):
         with torch.no_grad():
             assert (forward_logits(one, x) - saved["logits"]).abs().max() < 1e-5, family
         assert r["import_logits_diff"] < 1e-5, family
+        loaded = {"model": {name: torch.empty_like(w) for name, w in saved["weights"].items()}}
+        dcp.load(loaded, checkpoint_id=tmp_path / f"{family}-end" / "step-4")
+        assert all(torch.equal(loaded["model"][name], w) for name, w in saved["weights"].items()), family
