@@ -109,17 +109,23 @@ def without_strided_shards(value):
     """A fused weight's DTensor (family_plan.FusedColwiseParallel), or its AdamW state, as Shard
     on the same dim: a slice of HF's layout. DCP refuses _StridedShard (`overlapping chunks`,
     torch 2.15.0); `set_state_dict` copies such a copy back into the strided parameter."""
-    if not isinstance(value, DTensor) or not any(isinstance(p, _StridedShard) for p in value.placements):
+    if not isinstance(value, DTensor) or not (fused := fused_placements(value.placements)):
         return value
-    return value.redistribute(value.device_mesh, [Shard(p.dim) if isinstance(p, _StridedShard) else p
-                                                  for p in value.placements])
+    return value.redistribute(value.device_mesh, [Shard(p.dim) if i in fused else p for i, p in enumerate(value.placements)])
+
+
+def fused_placements(placements) -> list[int]:
+    """The mesh dims of a fused weight's _StridedShard: not FSDP's own over a TP-sharded dim
+    (torch 2.10.0's label for 2D), which a later mesh dim's Shard of the same tensor dim follows."""
+    return [i for i, p in enumerate(placements)
+            if isinstance(p, _StridedShard) and not any(q.is_shard(p.dim) for q in placements[i + 1:])]
 
 
 def piece(shape: tuple, param) -> tuple:
     """The slices of a full tensor of `shape` that this rank holds of `param`."""
     if not isinstance(param, DTensor):
         return tuple(slice(0, n) for n in shape)
-    if any(isinstance(p, _StridedShard) for p in param.placements):
+    if fused_placements(param.placements):
         raise NotImplementedError(f"{param.placements}: a fused weight's rows are no one slice (without_strided_shards)")
     sizes, offsets = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
     return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
