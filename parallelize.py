@@ -105,7 +105,7 @@ def block_plan(model: nn.Module, block: nn.Module, decoder_layer: str, attention
     blocks the same dict: test_recompile), with attention's input for the recipe."""
     plan = dict(LLAMA_BLOCK_PLAN) if isinstance(model, LlamaForCausalLM) else family_plan.block_plan(block, attention_gather)
     if attention_gather == "norm_output":  # recipe B: gathered at the attention norm's output
-        if plan.get("self_attn") is LLAMA_BLOCK_PLAN["self_attn"]:  # not family_plan's LocalHeads
+        if plan.get("self_attn") is LLAMA_BLOCK_PLAN["self_attn"]:  # not family_plan's (LocalHeads, post-norm)
             del plan["self_attn"]
     else:  # family_plan refuses a family whose attention has a style of its own here
         plan["self_attn"] = KWARGS_ATTENTION_INPUT if decoder_layer == "stock" else LLAMA_BLOCK_PLAN["self_attn"]
