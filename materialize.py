@@ -108,7 +108,8 @@ def load_hf_slices(model, path: Path) -> None:
 def without_strided_shards(value):
     """A fused weight's DTensor (family_plan.FusedColwiseParallel), or its AdamW state, as Shard
     on the same dim: a slice of HF's layout. DCP refuses _StridedShard (`overlapping chunks`,
-    torch 2.15.0); `set_state_dict` copies such a copy back into the strided parameter."""
+    torch 2.15.0; test_checkpoint says when it no longer does); `set_state_dict` copies such a
+    copy back into the strided parameter."""
     if not isinstance(value, DTensor) or not (fused := fused_placements(value.placements)):
         return value
     return value.redistribute(value.device_mesh, [Shard(p.dim) if i in fused else p for i, p in enumerate(value.placements)])
