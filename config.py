@@ -233,7 +233,7 @@ def prepare_checkpoint_folder(c: dict, model_cfg: dict, rank0: bool = True) -> s
         raise ConfigError(f"checkpoint.folder = {c['folder']!r} cannot be created or written: {e.strerror or e}") from None
     if not rank0:
         return None
-    one, free = 12.12 * count_parameters(model_cfg) + 2**20, shutil.disk_usage(folder).free  # measured: 12 bytes + 1%
+    one, free = 12.12 * count_parameters(model_cfg)[0] + 2**20, shutil.disk_usage(folder).free  # measured: 12 bytes + 1%
     kept, mib = c["keep_latest_k"] + 1 if c["keep_latest_k"] else 2, lambda n: f"{n / 2**20:,.0f} MiB"
     require(free >= one, f"checkpoint.folder = {c['folder']!r} has {mib(free)} free, less than one checkpoint of "
             f"[model] ({mib(one)}: 12 bytes per parameter for the weights and AdamW's two moments)")
@@ -286,13 +286,16 @@ def peak_per_rank(cfg: dict) -> dict[str, float]:
     block = (8 * h + 2 * kv + 4 * i + heads) / tp + 2 * h * (1 - 1 / tp)  # attention's and the MLP's inputs gathered
     head = 2 * h / tp + h + 2 * v / (tp if p["loss_parallel"] else 1)  # norm, lm_head's input, logits and their grad
     kept = block * layers if cfg["activation_checkpoint"]["mode"] == "none" else h / tp * layers + block  # AC: inputs
-    largest = max(h * (2 * h + 2 * kv + 3 * i + 2), v * h) if p["dp_shard"] > 1 else 0  # a block or lm_head
+    params, largest = count_parameters(m)
     width = 2 if t["mixed_precision_param"] == "bfloat16" else 4
-    return {"shards": 16 * count_parameters(m) / (tp * p["dp_shard"]), "FSDP groups": 2 * width * largest / tp,
+    return {"shards": 16 * params / (tp * p["dp_shard"]), "FSDP groups": 2 * width * largest / tp * (p["dp_shard"] > 1),
             "activations": width * t["local_batch_size"] * t["seq_len"] * (kept + head)}
 
 
-def count_parameters(model_cfg: dict) -> int:
-    """LlamaForCausalLM's parameter count for [model], built on the meta device (no memory)."""
+def count_parameters(model_cfg: dict) -> tuple[int, int]:
+    """LlamaForCausalLM's parameter count for [model], and its largest FSDP group's (a block or
+    lm_head), built on the meta device (no memory)."""
     with torch.device("meta"):
-        return sum(p.numel() for p in LlamaForCausalLM(hf_config(model_cfg)).parameters())
+        model = LlamaForCausalLM(hf_config(model_cfg))
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    return count(model), max(count(model.model.layers[0]), count(model.lm_head))
