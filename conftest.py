@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import parallelize
-from harness import (HERE, NUM_BLOCKS, STEPS, free_port, gradient_differences, run_training,  # noqa: F401 (the tests import them here)
+from harness import (HERE, NUM_BLOCKS, STEPS, free_port, gradient_differences, join_gloo, run_training,  # noqa: F401 (the tests import them here)
                      small_config)
 
 
@@ -79,13 +79,6 @@ def run_ranks(tmp_root: str, world_size: int, arch: str = "llama", float64: bool
     spawn(_rank_main, lambda port: (world_size, port, small_config(**overrides), str(out), arch, float64, window),
           world_size, f"{arch} on {world_size} ranks {overrides}")
     return {**json.loads(out.read_text()), "grads": str(out) + ".grads.pt"}
-
-
-def join_gloo(rank: int, world_size: int, port: int) -> None:
-    """A spawned test worker joins a gloo group of `world_size` on localhost, one thread each."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
 
 
 ATTEMPTS = 3  # launches of one test's ranks when one dies of a signal (spawn, again_if_a_rank_died_of_a_signal)

@@ -1,6 +1,7 @@
 """Training the shrunk config.toml through the trainer's own builders, on this process or a
 gloo rank: the tests' harness (conftest.py) and reach.py's, one home for both."""
 
+import os
 import socket
 import tomllib
 from pathlib import Path
@@ -182,3 +183,10 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def join_gloo(rank: int, world_size: int, port: int) -> None:
+    """A spawned worker (a test's, reach.py's) joins a gloo group of `world_size` on localhost, one thread each."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")

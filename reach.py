@@ -86,17 +86,14 @@ def _rank_main(rank: int, port: int, family: str, window: int | None, out: str) 
     """Both plans on this rank of 2 (recipe B alone with a window), one after the other, with
     Dynamo's state reset between."""
     import json
-    import os
 
     import torch
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    from harness import run_training, small_config  # the tests' harness: 4 blocks, recompile_limit 2
+    from harness import join_gloo, run_training, small_config  # the tests' harness: 4 blocks, recompile_limit 2
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    join_gloo(rank, 2, port)
     results = {}
     for name, plan in (("recipe_b", RECIPE_B), ("kwargs", KWARGS_PLAN))[:1 if window else 2]:
         try:
