@@ -69,7 +69,9 @@ def run_block(code: str) -> dict:
 def copied_family_plan(folder: str):
     """family_plan.py copied alone into `folder` and imported from there, as a user copies it."""
     path = Path(folder) / "copied_family_plan.py"
-    path.write_text((HERE / "family_plan.py").read_text())
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")  # every rank copies it: atomically, or another reads half
+    tmp.write_text((HERE / "family_plan.py").read_text())
+    os.replace(tmp, path)
     spec = importlib.util.spec_from_file_location("copied_family_plan", path)
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # as `import` does: Dynamo looks it up
     spec.loader.exec_module(module)
