@@ -68,8 +68,11 @@ def write_hf_folder(size: str, folder: Path) -> Path:
 def main() -> None:
     import tempfile
 
-    folder = Path(tempfile.mkdtemp(prefix="memory-"))
-    hf = write_hf_folder("334M", folder)
+    with tempfile.TemporaryDirectory(prefix="memory-") as folder:  # 5 GB: removed even on Ctrl-C
+        table(write_hf_folder("334M", Path(folder)))
+
+
+def table(hf: Path) -> None:
     print("| model | mesh | params + optimizer per rank, MiB |"
           + "".join(f" peak per rank, MiB ({name}) | ratio |" for name in ALLOCATORS))
     print("|---|---|---|" + "---|---|" * len(ALLOCATORS))
@@ -85,7 +88,6 @@ def main() -> None:
                 cells += [", ".join(f"{p:,.0f}" for p in peaks), ratio]
             name = f"{size}, from an HF folder" if hf_folder else size
             print(f"| {name} | {mesh} | {shard:,.1f} | {' | '.join(cells)} |", flush=True)
-    shutil.rmtree(folder)
 
 
 def activations() -> None:
