@@ -24,7 +24,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.utils._pytree import tree_map
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from materialize import load_hf_slices, without_strided_shards
+from family_plan import without_strided_shards
+from materialize import load_hf_slices
 from model import hf_config
 
 MARKER = "complete.json"
@@ -80,7 +81,7 @@ def write_marker(path: Path, step: int) -> str | None:
 
 def training_state(model, optimizer, scheduler, generator: torch.Generator, step: int) -> dict:
     """Everything a resume needs; also the template that DCP loads into. Fused weights as Shard:
-    HF's layout, which DCP takes (materialize.without_strided_shards)."""
+    HF's layout, which DCP takes (family_plan.without_strided_shards)."""
     model_sd, optim_sd = tree_map(without_strided_shards, get_state_dict(model, optimizer))
     return {"model": model_sd, "optim": optim_sd,
             "train": {"step": step, "scheduler": scheduler.state_dict(), "data_rng": generator.get_state()}}

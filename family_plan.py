@@ -1,8 +1,6 @@
-"""A TP plan for any HF decoder family, derived from the modules its blocks hold, and the refusals
-of what such a plan cannot make correct (RESULTS.md, "Recipe B's reach": 66 families). For Llama
-blocks the derivation gives parallelize.LLAMA_BLOCK_PLAN (test_recompile); apply_tp uses it for
-every other family, and its refusals for every model.
-"""
+"""A TP plan for any HF decoder family, derived from the modules its blocks hold; the refusals of
+what it cannot make correct; and what FSDP2 and DCP need for its fused weights. For Llama blocks
+it gives parallelize.LLAMA_BLOCK_PLAN (test_recompile). RESULTS.md, "Recipe B's reach": 66 families."""
 
 import ast
 import copy
@@ -17,7 +15,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.torch_version import TorchVersion
 
 
 class PlanError(ValueError):
@@ -30,16 +27,15 @@ MLP_PROJECTIONS = {"gate_proj": "in", "up_proj": "in", "c_fc": "in", "fc1": "in"
                    "down_proj": "out", "c_proj": "out", "fc2": "out", "gate_up_proj": "in"}
 FUSED_PARTS = {"gate_up_proj": 2, "qkv_proj": 3}  # HF's fused projections: [gate; up], [q; k; v]
 # linear on a _StridedShard weight: measured to work on torch 2.12.0-2.15.0, to fail on 2.10.0 and 2.11.0.
-STRIDED_LINEAR = TorchVersion(torch.__version__) >= (2, 12)
+STRIDED_LINEAR = torch.__version__ >= (2, 12)  # a TorchVersion
 
 
 def block_plan(block: nn.Module, attention_gather: str) -> dict:
-    """One block's plan but attention's input (parallelize.block_plan adds it), from the modules it
-    holds; PlanError for what it cannot make correct. Every norm outside attention and the MLP is
-    SequenceParallel, found by type, so that its weight's gradient is summed over the TP group (an
-    unplanned norm trains on its rank's tokens only, in silence). Its output stays a DTensor where
-    attention's input is gathered, and is a plain tensor elsewhere (a residual add). A post-norm
-    block (olmo2) has no such norm: attention gathers its input by keyword (KWARGS_ATTENTION_INPUT)."""
+    """One block's plan but attention's input (parallelize.block_plan adds it); PlanError for what it
+    cannot make correct. Every norm outside attention and the MLP is SequenceParallel, found by type,
+    so that its gradient is summed over TP (unplanned, it trains on its rank's tokens only, in silence).
+    Its output stays a DTensor where attention gathers its input, plain elsewhere (a residual add).
+    A post-norm block (olmo2) has no such norm: attention gathers by keyword (KWARGS_ATTENTION_INPUT)."""
     gather_at = attention_norm(block) if attention_gather == "norm_output" else "input_layernorm"
     norms = [name for name, module in block.named_children() if NORM.search(type(module).__name__)]
     plan = {
@@ -153,33 +149,42 @@ class FusedColwiseParallel(ColwiseParallel):
 def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
     """FSDP2's `shard_placement_fn`: Shard(1) for a fused weight, as FSDP's default Shard(0) over
     its rows would be mislabelled (its `full_tensor()`, so the HF export, goes wrong in silence)."""
-    strided = isinstance(param, DTensor) and any(isinstance(p, _StridedShard) for p in param.placements)
-    return Shard(1) if strided else None
+    return Shard(1) if isinstance(param, DTensor) and fused_placements(param.placements) else None
+
+
+def without_strided_shards(value):
+    """A fused weight's DTensor, or its AdamW state, as Shard on the same dim: a slice of HF's
+    layout, for DCP, which refuses _StridedShard (`overlapping chunks`, torch 2.15.0; test_checkpoint
+    says when it no longer does). `set_state_dict` copies such a copy back into the strided weight."""
+    if not isinstance(value, DTensor) or not (fused := fused_placements(value.placements)):
+        return value
+    return value.redistribute(value.device_mesh, [Shard(p.dim) if i in fused else p for i, p in enumerate(value.placements)])
+
+
+def fused_placements(placements) -> list[int]:
+    """The mesh dims of a fused weight's _StridedShard: not FSDP's own over a TP-sharded dim
+    (torch 2.10.0's label for 2D), which a later mesh dim's Shard of the same tensor dim follows."""
+    return [i for i, p in enumerate(placements)
+            if isinstance(p, _StridedShard) and not any(q.is_shard(p.dim) for q in placements[i + 1:])]
 
 
 class LocalHeads(ParallelStyle):
     """For attention that slices or reshapes by its head counts (phi3's qkv, stablelm's view):
     each rank's counts, its own and its config's divided by TP; one config copy for every block,
     so that Dynamo serves them all from one graph."""
+    configs = {}  # (id(config), tp): (config, its per-rank copy)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         tp = device_mesh.size()
         for name in ("num_heads", "num_key_value_heads"):
             if hasattr(module, name):
                 setattr(module, name, getattr(module, name) // tp)
-        module.config = _local_config(module.config, tp)
+        if (key := (id(module.config), tp)) not in self.configs:
+            local = copy.copy(module.config)
+            local.num_attention_heads, local.num_key_value_heads = local.num_attention_heads // tp, local.num_key_value_heads // tp
+            self.configs[key] = (module.config, local)
+        module.config = self.configs[key][1]
         return module
-
-
-_LOCAL_CONFIGS = {}  # (id(config), tp): (config, its per-rank copy)
-
-
-def _local_config(config, tp: int):
-    if (id(config), tp) not in _LOCAL_CONFIGS:
-        local = copy.copy(config)
-        local.num_attention_heads, local.num_key_value_heads = config.num_attention_heads // tp, config.num_key_value_heads // tp
-        _LOCAL_CONFIGS[id(config), tp] = (config, local)
-    return _LOCAL_CONFIGS[id(config), tp][1]
 
 
 @functools.cache  # one parse per attention class, not per block

@@ -12,10 +12,11 @@ from unittest import mock
 import torch
 import transformers.modeling_utils
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from family_plan import fused_placements, without_strided_shards
 
 
 class InitOps(TorchDispatchMode):
@@ -103,23 +104,6 @@ def load_hf_slices(model, path: Path) -> None:
             local(tensor).copy_(part[piece(tuple(part.get_shape()), tensor)])
     if any(plain[name] is not tensor for name, tensor in state.items()):
         set_model_state_dict(model, plain)  # into the fused weights' strided shards
-
-
-def without_strided_shards(value):
-    """A fused weight's DTensor (family_plan.FusedColwiseParallel), or its AdamW state, as Shard
-    on the same dim: a slice of HF's layout. DCP refuses _StridedShard (`overlapping chunks`,
-    torch 2.15.0; test_checkpoint says when it no longer does); `set_state_dict` copies such a
-    copy back into the strided parameter."""
-    if not isinstance(value, DTensor) or not (fused := fused_placements(value.placements)):
-        return value
-    return value.redistribute(value.device_mesh, [Shard(p.dim) if i in fused else p for i, p in enumerate(value.placements)])
-
-
-def fused_placements(placements) -> list[int]:
-    """The mesh dims of a fused weight's _StridedShard: not FSDP's own over a TP-sharded dim
-    (torch 2.10.0's label for 2D), which a later mesh dim's Shard of the same tensor dim follows."""
-    return [i for i, p in enumerate(placements)
-            if isinstance(p, _StridedShard) and not any(q.is_shard(p.dim) for q in placements[i + 1:])]
 
 
 def piece(shape: tuple, param) -> tuple:

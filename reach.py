@@ -3,6 +3,7 @@
     python reach.py                        # the table in RESULTS.md, for the installed torch
     python reach.py --families gemma3_text,olmo2
     python reach.py --windows-only         # the sliding-window rows alone
+    python reach.py --plans TREE           # each row's plan digest, with TREE's project files
 
 Each family is built tiny from its own config class (the tests' shrunk [model]: 4 blocks,
 hidden 256, 16 heads, 8 kv heads, head_dim 16; token ids inside the vocabulary; every dropout 0;
@@ -189,6 +190,35 @@ def measure(family: str, window: int | None = None, timeout: float = 300) -> dic
     return row
 
 
+def plan_digest(family: str, window: int | None) -> str:
+    """What parallelize applies to `family`, as a digest: the layout check's refusal, or every
+    block's plan under both gathers, each style with its settings. A family whose digest is the
+    same at two commits (--plans) need not be measured again."""
+    import hashlib
+
+    import torch
+
+    import family_plan
+    import parallelize
+    from harness import build_family, small_config
+
+    def plan(block, gather):
+        try:
+            styles = parallelize.block_plan(model, block, "stock", gather)
+            return sorted((name, type(s).__name__, sorted(map(repr, vars(s).items()))) for name, s in styles.items())
+        except Exception as e:
+            return first_line(e)
+
+    try:
+        with torch.device("meta"):
+            model = build_family(family, small_config()["model"], window=window)
+        family_plan.require_llama_layout_and_masks(model)
+        text = repr([plan(block, gather) for gather in ("norm_output", "pre_hook") for block in model.model.layers])
+    except Exception as e:
+        text = first_line(e)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
 def summarize(row: dict) -> dict:
     """The table's cells for one torch: graphs, recompiles, the largest loss and gradient-norm
     differences from one process, the kwargs plan's graphs, and the first error."""
@@ -267,7 +297,13 @@ def main() -> None:
     parser.add_argument("--json", help="write the rows for this torch to this file")
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier --json files")
     parser.add_argument("--windows-only", action="store_true", help="only the sliding-window rows")
+    parser.add_argument("--plans", metavar="TREE", help="print each row's plan digest, with the project's files "
+                        "from TREE (a checkout of any commit); diff two commits' to see which rows changed")
     args = parser.parse_args()
+    if args.plans:
+        import sys
+
+        sys.path.insert(0, args.plans)
     if args.table:
         results = {}
         for path in args.table:
@@ -282,6 +318,8 @@ def main() -> None:
     families = args.families.split(",") if args.families else dense_families()[0]
     runs = [(family, window) for family in families
             for window in ((None,) * (not args.windows_only) + (WINDOWS if has_sliding_window(family) else ()))]
+    if args.plans:
+        return print("\n".join(f"{family} (window {window}): {plan_digest(family, window)}" for family, window in runs))
     rows = []
     for family, window in runs:
         start = time.perf_counter()
