@@ -166,7 +166,7 @@ def worker(variant: str, args) -> None:
     elif variant == "native":
         model, optimizer, scheduler = build_native(cfg, device, Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "hf")
         forward = lambda model, x: model(x, use_cache=False).logits  # noqa: E731 (a KV cache recompiles per block)
-        train.clip_grad_norm_ = clip_dtensor_and_plain_grads_
+        train.clip_grad_norm_ = clip_dtensor_and_plain_grads_  # train_step's, in this variant's own process
     else:
         model, optimizer, scheduler = train.build_training(cfg, device, parallelize.build_parallel_dims(cfg, launch.world_size, device.type))
         forward = train.forward_logits
