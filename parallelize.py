@@ -72,9 +72,9 @@ def apply_tp(model: LlamaForCausalLM, tp_mesh: DeviceMesh, decoder_layer: str, a
     workarounds.materialize_embedding_output(model.model.embed_tokens)
     for i, (block, plan) in enumerate(zip(model.model.layers, plans)):
         parallelize_module(block, tp_mesh, plan)
-        if attention_gather == "norm_output" and attention_norm(block):  # not post-norm (olmo2)
+        if attention_gather == "norm_output" and (norm := attention_norm(block)):  # not post-norm (olmo2)
             # A second call: a plan holds one style per module, and the attention norm has two.
-            parallelize_module(block.get_submodule(attention_norm(block)), tp_mesh, GATHER_AT_NORM_OUTPUT)
+            parallelize_module(block.get_submodule(norm), tp_mesh, GATHER_AT_NORM_OUTPUT)
         refuse_unplanned_parameters(block, f"model.layers.{i}")
 
 
