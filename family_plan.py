@@ -11,6 +11,7 @@ import textwrap
 
 import torch
 import torch.nn as nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
@@ -26,16 +27,21 @@ ATTENTION_NORMS = ("input_layernorm", "attention_layernorm")  # the norm whose o
 MLP_PROJECTIONS = {"gate_proj": "in", "up_proj": "in", "c_fc": "in", "fc1": "in",
                    "down_proj": "out", "c_proj": "out", "fc2": "out", "gate_up_proj": "in"}
 FUSED_PARTS = {"gate_up_proj": 2, "qkv_proj": 3}  # HF's fused projections: [gate; up], [q; k; v]
-# linear on a _StridedShard weight: measured to work on torch 2.12.0-2.15.0, to fail on 2.10.0 and 2.11.0.
+# linear and redistribute on a _StridedShard weight: measured to work on torch 2.12.0-2.15.0, to fail
+# on 2.10.0 and 2.11.0 (an assert in redistribute; pytorch/pytorch#171338 and its stack).
 STRIDED_LINEAR = torch.__version__ >= (2, 12)  # a TorchVersion
+FULL_SEQUENCE_MASKS = ("full_attention", "sliding_attention")  # the layer types forward_logits builds masks for
+# HF's layers pass attention's input by keyword: a with_kwargs pre-hook, whose id Dynamo guards on
+# per block on torch <= 2.10 (pytorch/pytorch#170110), a recompile per block there.
+KWARGS_ATTENTION_INPUT = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()})
 
 
 def block_plan(block: nn.Module, attention_gather: str) -> dict:
     """One block's plan but attention's input (parallelize.block_plan adds it); PlanError for what it
     cannot make correct. Every norm outside attention and the MLP is SequenceParallel, found by type,
-    so that its gradient is summed over TP (unplanned, it trains on its rank's tokens only, in silence).
-    Its output stays a DTensor where attention gathers its input, plain elsewhere (a residual add).
-    A post-norm block (olmo2) has no such norm: attention gathers by keyword (KWARGS_ATTENTION_INPUT)."""
+    so that TP sums its gradient; its output stays a DTensor where attention gathers its input. A
+    post-norm block (olmo2) has no such norm: attention gathers by keyword (KWARGS_ATTENTION_INPUT)."""
     gather_at = attention_norm(block) if attention_gather == "norm_output" else "input_layernorm"
     norms = [name for name, module in block.named_children() if NORM.search(type(module).__name__)]
     plan = {
@@ -57,12 +63,6 @@ def attention_norm(block: nn.Module) -> str | None:
     return next((name for name in ATTENTION_NORMS if hasattr(block, name)), None)
 
 
-# HF's layers pass attention's input by keyword: a with_kwargs pre-hook, whose id Dynamo guards on
-# per block on torch <= 2.10 (pytorch/pytorch#170110), a recompile per block there.
-KWARGS_ATTENTION_INPUT = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()})
-
-
 def attention_plan(attn: nn.Module) -> dict:
     """q, k, v column-wise (phi3's fused qkv_proj as FusedColwiseParallel), o row-wise back to
     Shard(1); a per-head q/k norm as torchtitan's HF backend plans Qwen3's (each rank holds its own
@@ -76,14 +76,11 @@ def attention_plan(attn: nn.Module) -> dict:
     if other := next((p for p in projections if not isinstance(children[p], nn.Linear)), None):
         raise PlanError(f"{name}.{other} is a {type(children[other]).__name__}, not an nn.Linear: "
                         "torch's TP styles shard nn.Linear")
-    plan = {f"self_attn.{p}": ColwiseParallel() for p in projections[:-1]}
+    if fused and (heads := attn.config.num_attention_heads) != (kv_heads := attn.config.num_key_value_heads):
+        raise PlanError(f"{name}.qkv_proj fuses {heads} query heads with {kv_heads} key/value heads: "
+                        "no one placement gives a rank its query heads and their key/value heads")
+    plan = {f"self_attn.{p}": FusedColwiseParallel(p) if p in FUSED_PARTS else ColwiseParallel() for p in projections[:-1]}
     plan["self_attn.o_proj"] = RowwiseParallel(output_layouts=Shard(1))
-    if fused:
-        heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
-        if kv_heads != heads:
-            raise PlanError(f"{name}.qkv_proj fuses {heads} query heads with {kv_heads} key/value heads: "
-                            "no one placement gives a rank its query heads and their key/value heads")
-        plan["self_attn.qkv_proj"] = FusedColwiseParallel(name, "qkv_proj")
     if counts := "qkv_proj's slices" if fused else _global_head_reshape(type(attn)):
         if per_head := next((n for n, m in children.items() if n not in projections and
                              getattr(m, "weight", None) is None and next(m.parameters(), None) is not None), None):
@@ -116,7 +113,6 @@ class NormAcrossShards(ParallelStyle):
         def shard_weights(_name, norm, mesh):
             for key, param in list(norm.named_parameters(recurse=False)):
                 norm.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
-
         return distribute_module(
             module, device_mesh, shard_weights,
             lambda _norm, inputs, mesh: (DTensor.from_local(inputs[0], mesh, [Shard(-1)], run_check=False), *inputs[1:]),
@@ -124,26 +120,34 @@ class NormAcrossShards(ParallelStyle):
 
 
 class FusedColwiseParallel(ColwiseParallel):
-    """Column-wise TP for a projection that fuses equal parts ([gate; up], MHA's [q; k; v]): each
-    rank holds the r-th 1/TP of every part (`_StridedShard`), so that HF's split of the local output
-    is right and `full_tensor()` is HF's layout. Stock ColwiseParallel would reorder the output."""
+    """Column-wise TP for a projection fusing equal parts ([gate; up], MHA's [q; k; v]): rank r computes
+    the r-th 1/TP of each, so that HF's split of its output is right, and `full_tensor()` is HF's layout:
+    a `_StridedShard` weight, or on torch 2.10-2.11 Shard(0) rows and parts_by_all_to_all."""
 
-    def __init__(self, owner: str, name: str):
+    def __init__(self, name: str):
         super().__init__()
         self.parts = FUSED_PARTS[name]
-        if not STRIDED_LINEAR:
-            raise PlanError(f"{owner}.{name} is fused: sharding it needs linear on a _StridedShard weight, "
-                            f"torch >= 2.12 (this is {torch.__version__})")
 
     def _partition_linear_fn(self, name, module, device_mesh):
+        placement = _StridedShard(0, split_factor=self.parts) if STRIDED_LINEAR else Shard(0)
         for key, param in module.named_parameters():
-            placement = _StridedShard(0, split_factor=self.parts)
             module.register_parameter(key, nn.Parameter(distribute_tensor(param, device_mesh, [placement],
                                                                           src_data_rank=self.src_data_rank)))
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        return outputs.to_local()  # [part 0's r-th 1/TP; part 1's; ...]
+    def _prepare_output_fn(self, output_layouts, use_local_output, mod, outputs, device_mesh):
+        local = outputs.to_local()  # from a _StridedShard weight: [part 0's r-th 1/TP; part 1's; ...]
+        return local if STRIDED_LINEAR else parts_by_all_to_all(local, self.parts, device_mesh)
+
+
+def parts_by_all_to_all(local: torch.Tensor, parts: int, mesh) -> torch.Tensor:
+    """Torch 2.10-2.11 (STRIDED_LINEAR): rank r's output from Shard(0) rows is blocks r*parts... of the
+    parts*TP column blocks; block b, part b // TP's (b % TP)-th 1/TP, goes to rank b % TP, in order of b."""
+    tp, r = mesh.size(), mesh.get_local_rank()
+    to = [(r * parts + k) % tp for k in range(parts)]
+    blocks = local.unflatten(-1, (parts, -1)).movedim(-2, 0)[sorted(range(parts), key=to.__getitem__)]
+    sizes_in = [sum((q * parts + k) % tp == r for k in range(parts)) for q in range(tp)]
+    received = all_to_all_single_autograd(blocks.contiguous(), sizes_in, [to.count(q) for q in range(tp)], mesh)
+    return received.movedim(0, -2).flatten(-2)
 
 
 def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
@@ -204,15 +208,14 @@ def mlp_plan(mlp: nn.Module) -> dict:
     """The MLP's input projections column-wise (a fused [gate; up] as FusedColwiseParallel), its
     output projection row-wise back to Shard(1)."""
     linears = [name for name, module in mlp.named_children() if isinstance(module, nn.Linear)]
-    unknown = [name for name in linears if name not in MLP_PROJECTIONS]
     if not linears:
         raise PlanError(f"{type(mlp).__name__} has no nn.Linear projection (experts?) for the plan to shard")
-    if unknown:
+    if unknown := [name for name in linears if name not in MLP_PROJECTIONS]:
         raise PlanError(f"{type(mlp).__name__}.{unknown[0]} is not one of {', '.join(MLP_PROJECTIONS)}: "
                         f"column-wise TP would split a fused projection ({unknown[0]}) across its parts")
     out = next(getattr(mlp, name) for name in linears if MLP_PROJECTIONS[name] == "out")
     return {**{f"mlp.{name}": RowwiseParallel(output_layouts=Shard(1)) if MLP_PROJECTIONS[name] == "out" else
-               FusedColwiseParallel(type(mlp).__name__, name) if name in FUSED_PARTS else ColwiseParallel()
+               FusedColwiseParallel(name) if name in FUSED_PARTS else ColwiseParallel()
                for name in linears}, **norms_plan(mlp, "mlp", {out.in_features: NormAcrossShards()})}
 
 
@@ -236,9 +239,6 @@ def require_llama_layout_and_masks(model: nn.Module) -> None:
     if getattr(config, "use_bidirectional_attention", False):
         raise PlanError(f"{name} sets use_bidirectional_attention (sliding_window {config.sliding_window}): "
                         "the full-sequence masks are causal")
-
-
-FULL_SEQUENCE_MASKS = ("full_attention", "sliding_attention")  # the layer types forward_logits builds masks for
 
 
 def refuse_unplanned_parameters(block: nn.Module, prefix: str) -> None:

@@ -33,9 +33,9 @@ CAUSES = {
     "olmo2": "post-norm: attention's input gathered by keyword, which recompiles per block on torch 2.10.0",
     "olmo3": "post-norm: attention's input gathered by keyword, which recompiles per block on torch 2.10.0",
     "exaone4": "post-norm, as olmo2; 2 graphs: its sliding and full attention layers",
-    "glm": "a fused [gate; up]: _StridedShard, whose linear fails before torch 2.12",
-    "glm4": "a fused [gate; up]: _StridedShard, whose linear fails before torch 2.12",
-    "phi3+mha": "Phi-3-mini's layout: fused [q; k; v] and [gate; up], each rank's head count; torch >= 2.12",
+    "glm": "a fused [gate; up]: _StridedShard rows; before torch 2.12 Shard(0) rows and an all-to-all",
+    "glm4": "a fused [gate; up]: _StridedShard rows; before torch 2.12 Shard(0) rows and an all-to-all",
+    "phi3+mha": "Phi-3-mini's layout: fused [q; k; v] and [gate; up] as glm's, each rank's head count",
     "apertus": "its MLP's xIELU activation has parameters, fed the column-sharded features",
     "cohere_compass_text": "the builder's limit: its default config has no RoPE parameters for its layer type, "
                            "so the model does not build at any size",
