@@ -5,7 +5,8 @@
 
 Each run: compile off, AC none, batch 1 x 64 tokens, no held-out loss; once with glibc's
 allocator as it is, once with a fixed mmap threshold (freed tensors of 128 KiB or more go back
-to the OS at once; glibc's default threshold grows to 32 MiB and keeps them in the heap).
+to the OS at once; glibc's default threshold grows to 32 MiB and keeps them in the heap) and
+torch's huge pages for tensors of 2 MiB or more (the same peaks, fewer page faults).
 "ratio" is a rank's peak minus the same mesh's debugmodel peak (the interpreter, torch, gloo,
 the data) over the rank's params + optimizer: what the model costs per byte of shard."""
 import os
@@ -27,7 +28,9 @@ FLAGS = ["--compile.enable", "false", "--activation_checkpoint.mode", "none", "-
          "--metrics.measure_cpu_peak", "false"]
 
 
-ALLOCATORS = {"glibc's default": {}, "MALLOC_MMAP_THRESHOLD_=131072": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
+RETURN_FREED = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+ALLOCATORS = {"glibc's default": {},
+              "MALLOC_MMAP_THRESHOLD_=131072 THP_MEM_ALLOC_ENABLE=1": {**RETURN_FREED, "THP_MEM_ALLOC_ENABLE": "1"}}
 
 
 def run(size: str, dp_shard: int, tp: int, hf: Path | None, allocator: dict, extra: tuple = ()) -> tuple[list[float], float]:
@@ -96,7 +99,7 @@ def activations() -> None:
     term of config.peak_per_rank, the memory check's estimate."""
     from config import load_config, parse_args, peak_per_rank
 
-    allocator = ALLOCATORS["MALLOC_MMAP_THRESHOLD_=131072"]
+    allocator = RETURN_FREED
     print("| mesh | AC | seq_len | peak per rank, MiB | over 64 tokens, MiB | estimated activations over 64 tokens, MiB |")
     print("|---|---|---|---|---|---|")
     for mesh, tp in (("1 process", 1), ("tp 2 + SP", 2)):
