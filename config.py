@@ -22,7 +22,7 @@ SCHEMA = {  # every key and its type, in config.toml's order
                   rope_parameters=dict(rope_type=str, rope_theta=float, factor=float, low_freq_factor=float,
                                        high_freq_factor=float, original_max_position_embeddings=int)),
     "training": dict(steps=int, local_batch_size=int, seq_len=int, lr=float, warmup_steps=int, max_norm=float,
-                     seed=int, mixed_precision_param=str, mixed_precision_reduce=str),
+                     seed=int, mixed_precision_param=str, mixed_precision_reduce=str, float32_matmul_precision=str),
     "parallelism": dict(dp_shard=int, tp=int, decoder_layer=str, attention_gather=str, loss_parallel=bool),
     "activation_checkpoint": dict(mode=str, selective_ac_option=str),
     "compile": dict(enable=bool, backend=str, fail_on_recompile=bool),
@@ -33,7 +33,7 @@ SCHEMA = {  # every key and its type, in config.toml's order
 }
 
 ATTENTION_GATHERS = ("pre_hook", "norm_output")  # parallelize.block_plan
-DTYPES = ("float32", "bfloat16")  # what FSDP2's MixedPrecisionPolicy gets, as torchtitan allows
+DTYPES = ("float32", "bfloat16")  # FSDP2's MixedPrecisionPolicy, else autocast's (parallelize.autocast)
 
 
 class ConfigError(ValueError):
@@ -150,8 +150,9 @@ def check_training(t: dict, m: dict) -> None:
     require(t["seq_len"] <= m["max_position_embeddings"],
             f"training.seq_len = {t['seq_len']} must be <= model.max_position_embeddings = "
             f"{m['max_position_embeddings']}")
-    for key in ("mixed_precision_param", "mixed_precision_reduce"):
-        require(t[key] in DTYPES, f"training.{key} = {t[key]!r} must be one of {list(DTYPES)}")
+    for key, allowed in (("mixed_precision_param", DTYPES), ("mixed_precision_reduce", DTYPES),
+                         ("float32_matmul_precision", ("highest", "high", "medium"))):  # torch's names
+        require(t[key] in allowed, f"training.{key} = {t[key]!r} must be one of {list(allowed)}")
 
 
 def check_parallelism(cfg: dict, world_size: int) -> None:
@@ -166,10 +167,9 @@ def check_parallelism(cfg: dict, world_size: int) -> None:
             f"parallelism.decoder_layer = {p['decoder_layer']!r} must be one of {list(DECODER_LAYERS)}")
     require(p["attention_gather"] in ATTENTION_GATHERS,
             f"parallelism.attention_gather = {p['attention_gather']!r} must be one of {list(ATTENTION_GATHERS)}")
-    for key in ("mixed_precision_param", "mixed_precision_reduce"):
-        # torchtitan ignores these without FSDP; a setting that would do nothing is an error here.
-        require(t[key] == "float32" or dp_shard > 1,
-                f"training.{key} = {t[key]!r} needs parallelism.dp_shard > 1: mixed precision is applied by FSDP2")
+    # torchtitan ignores it without FSDP; a setting that would do nothing is an error here.
+    require(t["mixed_precision_reduce"] == "float32" or dp_shard > 1, f"training.mixed_precision_reduce = "
+            f"{t['mixed_precision_reduce']!r} needs parallelism.dp_shard > 1: FSDP2 reduce-scatters the gradients")
 
 
 def check_activation_checkpoint(ac: dict) -> None:

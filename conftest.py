@@ -1,5 +1,9 @@
-"""Shared by the tests: harness.py's training on gloo ranks, cached; torchrun launches; and the
-`recompile_proof` marker.
+"""Shared by the tests: harness.py's training on gloo ranks, cached; torchrun launches; the
+`recompile_proof` and `gpu` markers.
+
+On any host, GPUs or none, every test runs on CPU and gloo: CUDA is hidden from this process and
+from every process it launches (torchrun, mp.spawn, bench.py), before torch is imported. Only the
+tests marked `gpu` launch train.py with the host's GPUs (GPU_ENV); without a GPU they skip.
 
 Multi-rank cases run gloo ranks on CPU (torch.multiprocessing.spawn): 2 for TP, 4 for
 dp_shard 2 x tp 2, through the real builders: parallelize.build_parallel_dims, train.build_training
@@ -19,6 +23,9 @@ import tempfile
 import warnings
 from pathlib import Path
 
+GPU_ENV = dict(os.environ)  # the host's CUDA_VISIBLE_DEVICES, for the `gpu` tests' launches
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch: no test process sees a GPU
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,6 +40,20 @@ from harness import (HERE, NUM_BLOCKS, STEPS, free_port, gradient_differences, j
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "recompile_proof: proves the fix where the bug lives; CI also runs these on torch 2.10.0")
+    config.addinivalue_line("markers", "gpu: launches train.py on the host's GPU; skipped on a host without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip where torch, asked in a process that sees the host's GPUs, counts none."""
+    gpu_tests = [item for item in items if "gpu" in item.keywords]
+    if gpu_tests and host_gpus() == 0:
+        for item in gpu_tests:
+            item.add_marker(pytest.mark.skip(reason="no GPU on this host"))
+
+
+def host_gpus() -> int:
+    count = [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"]
+    return int(subprocess.run(count, env=GPU_ENV, capture_output=True, text=True, check=True).stdout)
 
 
 @pytest.fixture(scope="session")

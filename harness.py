@@ -7,6 +7,7 @@ import tomllib
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
@@ -85,6 +86,7 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
     from torch._dynamo.utils import guard_failures
 
     validate(cfg, world_size)
+    torch.set_float32_matmul_precision(cfg["training"]["float32_matmul_precision"])  # as train.main
     data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
     t = cfg["training"]
     parallel_dims = parallelize.build_parallel_dims(cfg, world_size, device.type)
@@ -110,9 +112,10 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
     }
     # What the mixed-precision policy really does: lm_head's weight dtype inside forward (after
     # FSDP's unshard) and the dtype of the gradients FSDP reduce-scatters.
-    forward_dtypes, reduce_dtypes, logits = set(), set(), set()
+    forward_dtypes, reduce_dtypes, logits, logits_dtypes = set(), set(), set(), set()
     model.lm_head.register_forward_pre_hook(lambda module, _: forward_dtypes.add(str(module.weight.dtype)))
     model.lm_head.register_forward_hook(lambda module, _, out: logits.add(str(getattr(out, "placements", "tensor"))))
+    model.lm_head.register_forward_hook(lambda module, _, out: logits_dtypes.add(str(out.dtype)))
     # FSDP2 calls dist.reduce_scatter_single on torch 2.14, dist.reduce_scatter_tensor on 2.10.
     rs_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
     reduce_scatter = getattr(dist, rs_name)
@@ -122,8 +125,12 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
         return reduce_scatter(output, input, *args, **kwargs)
 
     setattr(dist, rs_name, recording_reduce_scatter)
+    matmuls = set()  # a bfloat16 run's: the dtype of every matmul inductor compiles, forward and backward
+    if t["mixed_precision_param"] == "bfloat16":  # a plain callable: inductor's FX-graph cache is bypassed
+        torch._inductor.config.post_grad_custom_post_pass = lambda graph: matmuls.update(
+            str(n.meta["val"].dtype) for n in graph.nodes if n.target in MATMULS)
     batches = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]), dp_mesh)
-    clip = train.clip_grad_norm_
+    clip, amp = train.clip_grad_norm_, parallelize.autocast(cfg, device.type)  # bfloat16 without FSDP
 
     def clip_and_save_step_1_gradients(parameters, max_norm):  # clipped: what the optimizer applies
         train.clip_grad_norm_ = clip
@@ -138,21 +145,26 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
     try:
         for _ in range(t["steps"]):
             x, y = next(batches)
-            loss, grad_norm = train.train_step(model, optimizer, scheduler, x, y, t["max_norm"], dp_mesh=dp_mesh)
+            loss, grad_norm = train.train_step(model, optimizer, scheduler, x, y, t["max_norm"], dp_mesh=dp_mesh, amp=amp)
             result["losses"].append(loss)
             result["grad_norms"].append(grad_norm)
     except Exception as e:  # the recompile-limit error under fullgraph=True, on affected torch
         result["error"] = f"{type(e).__name__}: {e}"
     train.clip_grad_norm_ = clip
     setattr(dist, rs_name, reduce_scatter)
+    torch._inductor.config.post_grad_custom_post_pass = None
     result["forward_dtypes"], result["reduce_scatter_dtypes"] = sorted(forward_dtypes), sorted(reduce_dtypes)
-    result["logits"] = sorted(logits)  # "(Shard(dim=2),)" under loss parallel
+    result["matmul_dtypes"] = sorted(matmuls)
+    result["logits"], result["logits_dtypes"] = sorted(logits), sorted(logits_dtypes)  # "(Shard(dim=2),)": loss parallel
     embedding, lm_head = model.model.embed_tokens.weight, model.lm_head.weight
     result["tied"] = lm_head is embedding  # after the steps too: one parameter, updated once
     result["equal_weights"] = torch.equal(*(w.full_tensor() if isinstance(w, DTensor) else w for w in (embedding, lm_head)))
     result["graphs"], result["recompiles"] = report.dynamo_compile_counts()
     result["recompile_reasons"] = [r for reasons in guard_failures.values() for r in reasons]
     return result
+
+
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
 
 def whole_gradients(model) -> dict:

@@ -5,6 +5,8 @@ torch's primitive on the HF module names. Llama's TP plan is LLAMA_BLOCK_PLAN; o
 is derived in family_plan.py.
 """
 
+import contextlib
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -128,6 +130,15 @@ def apply_compile(model: LlamaForCausalLM, backend: str) -> None:
     """torchtitan's `apply_compile`: `torch.compile(block, fullgraph=True)` per block. All
     blocks run the same code, so Dynamo can serve them all from one graph."""
     titan_apply_compile(model.model, CompileConfig(enable=True, backend=backend))
+
+
+def autocast(cfg: dict, device_type: str):
+    """bfloat16 matmuls where FSDP2's policy does not cast (one process, TP alone): `torch.autocast`
+    around the forward, as torchtitan's `maybe_enable_amp` does (which leaves TP alone in float32).
+    Weights, gradients and AdamW stay float32; train.cross_entropy computes the loss in float32."""
+    if cfg["training"]["mixed_precision_param"] == "float32" or cfg["parallelism"]["dp_shard"] > 1:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.bfloat16)
 
 
 def apply_fsdp(model: LlamaForCausalLM, dp_mesh: DeviceMesh, param_dtype: str, reduce_dtype: str) -> None:

@@ -23,10 +23,12 @@ def tokens_per_step(cfg: dict) -> int:  # the global batch: every data-parallel 
 
 def run_line(cfg: dict, world_size: int, device: torch.device) -> str:
     p, comp, t = cfg["parallelism"], cfg["compile"], cfg["training"]
+    compute = t["mixed_precision_param"] + ("" if t["mixed_precision_param"] == "float32" else
+                                            " by FSDP2" if p["dp_shard"] > 1 else " by autocast")
     return (f"torch {torch.__version__} | {world_size} rank(s) on {device.type} | mesh {mesh_name(cfg)} | "
             f"layer={p['decoder_layer']} | gather={p['attention_gather']} | AC={cfg['activation_checkpoint']['mode']} | "
             f"compile={'per-block ' + comp['backend'] if comp['enable'] else 'off'} | "
-            f"params {t['mixed_precision_param']}, reduce {t['mixed_precision_reduce']}")
+            f"compute {compute}, reduce {t['mixed_precision_reduce']}, float32 matmuls {t['float32_matmul_precision']}")
 
 
 def log_tp_groups(parallel_dims, node: int, log) -> None:
@@ -64,19 +66,20 @@ def flops_per_token(model, cfg: dict) -> int:
 
 
 def peak_flops(device: torch.device, cfg: dict) -> tuple[float, str] | None:
-    """(every rank's peak FLOP/s together, its source) in the dtype the matmuls run in: torchtitan's
-    bf16 table for bfloat16 parameters on a GPU, else a float32 matmul timed on all ranks at once
-    (a GPU's float32 peak is a fraction of its bf16 one); on CPU only with metrics.measure_cpu_peak."""
+    """(every rank's peak FLOP/s together, its source) in the dtype the matmuls run in: bfloat16 with
+    mixed_precision_param (FSDP2 or autocast), else float32 (TF32 on a GPU below "highest" precision).
+    torchtitan's bf16 table on a GPU, else a matmul of that dtype timed on all ranks at once; on CPU
+    only with metrics.measure_cpu_peak. A GPU's peak memory is counted from after the probe."""
     ranks = dist.get_world_size() if dist.is_initialized() else 1
-    cuda = device.type == "cuda"
-    if cuda and cfg["training"]["mixed_precision_param"] == "bfloat16":
-        name = torch.cuda.get_device_name(device)
-        peak = get_peak_flops(name)
-        return ranks * peak, f"{ranks} x {name}'s {peak / 1e12:.0f} TFLOP/s bfloat16 (torchtitan's table)"
+    cuda, bf16 = device.type == "cuda", cfg["training"]["mixed_precision_param"] == "bfloat16"
+    where = torch.cuda.get_device_name(device) if cuda else "CPU"
+    if cuda and bf16:
+        peak = get_peak_flops(where)
+        return ranks * peak, f"{ranks} x {where}'s {peak / 1e12:.0f} TFLOP/s bfloat16 (torchtitan's table)"
     if not cuda and not cfg["metrics"]["measure_cpu_peak"]:
         return None
     size, n = 4096 if cuda else 1024, 0
-    a = torch.randn(size, size, device=device)
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
 
     def matmul():
         a @ a
@@ -91,11 +94,12 @@ def peak_flops(device: torch.device, cfg: dict) -> tuple[float, str] | None:
         matmul()
         n += 1
     peaks = gather_from_ranks(2 * size**3 * n / elapsed)
-    if not cuda:
-        return sum(peaks), f"a measured {ranks} x {statistics.mean(peaks) / 1e9:.0f} GFLOP/s CPU float32 matmul peak"
-    tf32 = " (TF32)" if torch.get_float32_matmul_precision() != "highest" else ""
-    return sum(peaks), (f"a measured {ranks} x {statistics.mean(peaks) / 1e12:.1f} TFLOP/s "
-                        f"{torch.cuda.get_device_name(device)} float32{tf32} matmul peak")
+    del a
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)  # the probe's matrices are not the run's
+    dtype = "bfloat16" if bf16 else "TF32" if cuda and torch.get_float32_matmul_precision() != "highest" else "float32"
+    unit, scale = ("TFLOP/s", 1e12) if cuda else ("GFLOP/s", 1e9)
+    return sum(peaks), f"a measured {ranks} x {statistics.mean(peaks) / scale:.0f} {unit} {where} {dtype} matmul peak"
 
 
 def peak_memory_mib(device: torch.device) -> float:

@@ -34,7 +34,7 @@ import report
 from config import ConfigError, check_resources, load_config, parse_args, prepare_checkpoint_folder
 from materialize import build_on_meta, materialize
 from model import build_model, forward_logits
-from parallelize import build_parallel_dims, parallelize
+from parallelize import autocast, build_parallel_dims, parallelize
 from workarounds import clip_grad_norm_, several_nodes_restart_problem, store_for_this_restart
 
 
@@ -44,6 +44,7 @@ def main() -> None:
     t, ckpt = cfg["training"], cfg["checkpoint"]
     log = print if launch.rank == 0 else (lambda *a, **k: None)
     device = init_distributed(launch)
+    torch.set_float32_matmul_precision(t["float32_matmul_precision"])  # TF32 on a GPU below "highest"
     try:
         log(report.run_line(cfg, launch.world_size, device))
         peak = report.peak_flops(device, cfg)
@@ -205,9 +206,10 @@ def global_mean(value: torch.Tensor, dp_mesh) -> float:
 
 
 def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forward_logits,
-               dp_mesh=None) -> tuple[float, float]:
+               dp_mesh=None, amp=contextlib.nullcontext()) -> tuple[float, float]:
     """One forward/backward/update; returns (global-batch mean loss, grad norm before clipping)."""
-    logits = forward(model, x)
+    with amp:  # parallelize.autocast: bfloat16 matmuls without FSDP
+        logits = forward(model, x)
     with vocab_parallel(logits):
         loss = cross_entropy(logits, y)
         loss.backward()
@@ -236,12 +238,12 @@ def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, devic
     """Train `steps`, timing each, logging each, saving on [checkpoint]'s interval. A non-finite
     loss, a recompile (after step 1, with compile.fail_on_recompile) or SIGTERM stops the run in one line."""
     t, comp, ckpt = cfg["training"], cfg["compile"], cfg["checkpoint"]
-    run = Run(steps, [], [], signals=note_stop_signals())
+    run, amp = Run(steps, [], [], signals=note_stop_signals()), autocast(cfg, device.type)
     for step in steps:
         step_start = time.perf_counter()
         x, y = (z.to(device) for z in next(data))
         with stop_on_recompile(step, rank):
-            loss, grad_norm = train_step(model, optimizer, scheduler, x, y, t["max_norm"], forward, dp_mesh)
+            loss, grad_norm = train_step(model, optimizer, scheduler, x, y, t["max_norm"], forward, dp_mesh, amp)
         if not math.isfinite(loss):  # the global mean: every rank stops here, before any save
             exit_with(f"error: step {step}: the loss is {loss}; check training.lr, training.max_norm and [model]"
                       + (f"; the last complete checkpoint stays in {ckpt['folder']}" if ckpt["enable"] else ""), rank)
@@ -329,7 +331,8 @@ def evaluate(model, data: torch.Tensor, cfg: dict, device: torch.device, dp_mesh
             if agreed_signal(signals, device):
                 break
             x, y = (z.to(device) for z in next(it))
-            logits = forward_logits(model, x)
+            with autocast(cfg, device.type):
+                logits = forward_logits(model, x)
             with vocab_parallel(logits):
                 losses.append(global_mean(cross_entropy(logits, y), dp_mesh))
     model.train()
