@@ -3,19 +3,23 @@
     python bench.py --quick                       # about 20 minutes on 2 CPU cores
     python bench.py --seq-len 4096 --batch 1 --steps 3 --warm-rounds 0 --variants patched,native --ac none
                                                   # memory at a long sequence, with and without SP
+    python bench.py --nproc 1 --variants patched,titan --model.hidden_size 2048 --training.mixed_precision_param bfloat16
+                                                  # train.py's --section.key value overrides: any shape, dtype
 
-Variants, same shapes, data, seed, optimizer, TP degree, AC (full unless --ac none) and inductor per block:
+Variants, same shapes, data, seed, optimizer, TP degree, AC (full unless --ac none), inductor per block,
+and compute dtype (training.mixed_precision_param: bfloat16 autocasts every variant's forward):
   patched  train.py's model with PositionalLlamaDecoderLayer (the fix)
   stock    train.py's model with HF's LlamaDecoderLayer and the input_kwarg_layouts plan
   norm     HF's LlamaDecoderLayer with the plan-only fix (attention's input gathered at the norm)
   eager    patched, without compile
-  titan    torchtitan.models.llama3 debugmodel with torchtitan's apply_tp/apply_ac/apply_compile,
+  titan    torchtitan.models.llama3 at [model]'s shapes with torchtitan's apply_tp/apply_ac/apply_compile,
            holding patched's initial weights (so its loss column equals patched's)
   native   transformers' own TP (from_pretrained with DistributedConfig(tp_size)), no sequence
            parallel; the same weights through an HF folder, HF's checkpointing, each block compiled
 The loss gap is each variant's largest per-step difference from one process (eager, same batches).
 Each run is its own torchrun process group. A cold round (empty inductor cache) comes first,
-then warm rounds (cache kept); within a round the variants alternate, so drift hits all alike.
+then warm rounds (cache kept); within a round the variants alternate, so drift hits all alike,
+and each round starts one variant later, so no variant is always first.
 """
 
 import time
@@ -33,6 +37,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from config import ConfigError, parse_args
+
 HERE = Path(__file__).parent
 VARIANTS = ("patched", "stock", "norm", "eager", "titan", "native")
 RESULT_TAG = "BENCH_RESULT "
@@ -42,32 +48,47 @@ RESULT_TAG = "BENCH_RESULT "
 # worker: one variant, one torchrun process group
 
 
-def variant_config(variant: str, args) -> dict:
-    """config.toml with the benchmark's shapes and the variant's layer, plan and compile."""
-    import tomllib
+def variant_config(variant: str, args, world_size: int) -> dict:
+    """config.toml with the benchmark's shapes, then the command line's `--section.key value`
+    overrides (train.py's parser and checks), then the variant's layer, plan and compile."""
+    from config import load_config
 
-    with open(HERE / "config.toml", "rb") as f:
-        cfg = tomllib.load(f)
-    cfg["training"].update(steps=args.steps, local_batch_size=args.batch, seq_len=args.seq_len)
-    cfg["model"]["num_hidden_layers"] = args.layers
-    cfg["activation_checkpoint"]["mode"] = args.ac
-    cfg["model"]["max_position_embeddings"] = max(args.seq_len, cfg["model"]["max_position_embeddings"])
-    cfg["parallelism"]["decoder_layer"] = "stock" if variant in ("stock", "norm", "native") else "positional"
-    cfg["parallelism"]["attention_gather"] = "norm_output" if variant == "norm" else "pre_hook"
-    cfg["compile"]["enable"] = variant != "eager"
-    cfg["compile"]["fail_on_recompile"] = False  # the benchmark counts recompiles instead
-    return cfg
+    overrides = {"training.steps": args.steps, "training.local_batch_size": args.batch, "training.seq_len": args.seq_len,
+                 "model.num_hidden_layers": args.layers, "activation_checkpoint.mode": args.ac, **args.overrides,
+                 "parallelism.decoder_layer": "stock" if variant in ("stock", "norm", "native") else "positional",
+                 "parallelism.attention_gather": "norm_output" if variant == "norm" else "pre_hook",
+                 "compile.enable": variant != "eager",
+                 "compile.fail_on_recompile": False}  # the benchmark counts recompiles instead
+    return load_config(str(HERE / "config.toml"), world_size, overrides)
+
+
+def titan_args(hf_config, seq_len: int):
+    """torchtitan's llama3 args for an HF `LlamaConfig`: its debugmodel's with each field the HF config
+    sets, so config.toml's are the debugmodel's own (test_parity.py). torchtitan sizes the MLP as
+    2/3 x 4 x dim rounded up to `multiple_of`; another width sets `multiple_of` to it."""
+    from torchtitan.models.llama3 import llama3_args
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs
+
+    c, rope = hf_config, hf_config.rope_parameters
+    debugmodel = llama3_args["debugmodel"]
+    args = dataclasses.replace(
+        debugmodel, dim=c.hidden_size, n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
+        n_kv_heads=None if c.num_key_value_heads == c.num_attention_heads else c.num_key_value_heads,
+        vocab_size=c.vocab_size, norm_eps=c.rms_norm_eps, rope_theta=rope["rope_theta"], max_seq_len=seq_len,
+        rope_scaling_args=RoPEScalingArgs(rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+                                          rope["original_max_position_embeddings"]))
+    two_thirds, width = int(8 * c.hidden_size / 3), c.intermediate_size
+    if -(-two_thirds // args.multiple_of) * args.multiple_of != width:
+        args = dataclasses.replace(args, multiple_of=width, ffn_dim_multiplier=min(1.0, width / two_thirds))
+    return args
 
 
 def titan_from_hf(hf_model, seq_len: int):
     """torchtitan's own llama3 `Transformer` holding `hf_model`'s weights, converted by
-    torchtitan's `Llama3StateDictAdapter.from_hf`. Its args are `llama3_args["debugmodel"]`
-    with only `max_seq_len` (and the HF model's layer count) set, so any [model] value that is
-    not the debugmodel's shows up as a difference in the logits (test_parity.py)."""
-    from torchtitan.models.llama3 import Llama3StateDictAdapter, Transformer, llama3_args
+    torchtitan's `Llama3StateDictAdapter.from_hf`, at `titan_args`."""
+    from torchtitan.models.llama3 import Llama3StateDictAdapter, Transformer
 
-    args = dataclasses.replace(llama3_args["debugmodel"], max_seq_len=seq_len,
-                               n_layers=hf_model.config.num_hidden_layers)
+    args = titan_args(hf_model.config, seq_len)
     model = Transformer(args)
     weights = Llama3StateDictAdapter(args, None).from_hf(hf_model.state_dict())
     model.load_state_dict(weights, strict=True)  # freqs_cis is a non-persistent buffer, made from args
@@ -75,7 +96,7 @@ def titan_from_hf(hf_model, seq_len: int):
 
 
 def build_titan(cfg: dict, device):
-    """torchtitan's llama3 debugmodel, from the same seeded HF weights as the other variants,
+    """torchtitan's llama3 at [model]'s shapes, from the same seeded HF weights as the other variants,
     parallelized by torchtitan's own functions."""
     import torch
     from torchtitan.config.job_config import ActivationCheckpoint, Compile
@@ -147,7 +168,6 @@ def worker(variant: str, args) -> None:
     import torch
     import torch.distributed as dist
 
-    import config
     import parallelize
     import report
     import train
@@ -155,9 +175,9 @@ def worker(variant: str, args) -> None:
 
     launch = train.launch_env()
     device = train.init_distributed(launch)
-    cfg = variant_config(variant, args)
-    config.validate(cfg, launch.world_size)
+    cfg = variant_config(variant, args, launch.world_size)
     t = cfg["training"]
+    torch.set_float32_matmul_precision(t["float32_matmul_precision"])  # as train.main
     peak = report.peak_flops(device, cfg)
     data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
     if variant == "titan":
@@ -197,7 +217,7 @@ def run_variant(variant: str, args, cache_dir: Path, nproc: int | None = None) -
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc or args.nproc}",
            str(Path(__file__).resolve()), "--worker", variant, "--seq-len", str(args.seq_len),
            "--batch", str(args.batch), "--steps", str(args.steps), "--layers", str(args.layers),
-           "--ac", args.ac]
+           "--ac", args.ac, *args.override_args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_TAG):
@@ -235,7 +255,8 @@ def print_table(rows: dict, args) -> None:
     print(f"\n{os.cpu_count()} CPU cores, {args.nproc} ranks (TP={args.nproc}), {args.layers} layers, "
           f"batch {args.batch}, "
           f"seq {args.seq_len}, AC {args.ac}, {args.steps} steps, {args.warm_rounds} warm round(s); torch {torch.__version__}, "
-          f"torchtitan {torchtitan.__version__}, transformers {transformers.__version__}")
+          f"torchtitan {torchtitan.__version__}, transformers {transformers.__version__}; "
+          f"overrides: {' '.join(args.override_args) or 'none'}")
     peaks = {r["peak"] for r in rows.values() if "peak" in r}
     print(f"MFU of {', '.join(sorted(peaks))}")
     print("| variant | first step cold (s) | first step warm (s) | steady tokens/s | vs titan | MFU | "
@@ -265,7 +286,13 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args, args.override_args = parser.parse_known_args()
+    try:  # the rest: train.py's --section.key value overrides, read by its parser
+        config_path, args.overrides = parse_args(args.override_args)
+    except ConfigError as e:
+        parser.error(str(e))
+    if config_path or args.overrides.get("parallelism.dp_shard", 1) != 1:
+        parser.error("bench.py takes config.toml with overrides, and TP over --nproc ranks only (no --config, no dp_shard)")
     args.steps = args.steps or (8 if args.quick else 20)
     if args.steps < 3:
         parser.error("--steps must be >= 3: the steady rate is the median after two warm-up steps")
@@ -285,7 +312,9 @@ def main() -> None:
     runs = {v: [] for v in variants}
     try:
         for round_ in range(1 + args.warm_rounds):
-            for v in variants:  # alternate the variants within each round
+            # Alternate the variants within a round, and rotate who goes first: the first run of a
+            # round read ~15% slow (the variants in reverse order: patched 0.83-0.86x torchtitan first, 1.02x last).
+            for v in variants[round_ % len(variants):] + variants[:round_ % len(variants)]:
                 if round_ == 0:
                     shutil.rmtree(cache_root / v, ignore_errors=True)  # cold: an empty cache
                 r = run_variant(v, args, cache_root / v)

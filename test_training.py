@@ -1,5 +1,5 @@
 """The trainer's paths end to end: torchrun, two nodes, the benchmark, selective AC, FSDP
-alone, fail_on_recompile, and the bfloat16 policy."""
+alone, fail_on_recompile, bfloat16 by FSDP and by autocast, and one GPU where the host has one."""
 
 import math
 import os
@@ -211,12 +211,41 @@ def test_non_finite_loss_stops_at_its_step_and_keeps_the_last_checkpoint(tmp_pat
     assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-2"]
 
 
-def test_selective_ac_every_second_block_as_an_int_trains_and_no_eval_prints_no_held_out_loss():
-    proc = subprocess.run([sys.executable, str(HERE / "train.py"), *QUICK, "--training.steps", "2",
+def test_one_process_in_bfloat16_with_every_second_block_checkpointed_and_no_eval():
+    """`python train.py` in bfloat16 (autocast: one process has no FSDP) names that dtype in its
+    set-up line and its MFU line; selective_ac_option "2" as an int; no held-out loss without eval."""
+    proc = subprocess.run([sys.executable, str(HERE / "train.py"), *QUICK, "--training.steps", "3",
                            "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
-                           "2", "--data.eval_batches", "0"], capture_output=True, text=True, timeout=600,
+                           "2", "--data.eval_batches", "0", "--training.mixed_precision_param", "bfloat16",
+                           "--metrics.measure_cpu_peak", "true"], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     [loss_line] = [line for line in proc.stdout.splitlines() if line.startswith("  loss ")]
     assert "->" in loss_line and "held-out" not in loss_line, loss_line
-    assert "AC=selective" in proc.stdout
+    assert "AC=selective" in proc.stdout and "compute bfloat16 by autocast, reduce float32" in proc.stdout
+    assert re.search(r"MFU \d+% of a measured 1 x \d+ GFLOP/s CPU bfloat16 matmul peak", proc.stdout), proc.stdout
+
+
+# a GPU host: train.py on one GPU (conftest: only `gpu` tests see it) -------------------------
+
+TINY = ("--model.num_hidden_layers", "2", "--model.hidden_size", "64", "--model.intermediate_size", "128",
+        "--model.vocab_size", "256", "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--training.steps", "4", "--data.max_bytes", "1000000", "--data.eval_batches", "1")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, peak", [("float32", "TF32 matmul peak"), ("bfloat16", "bfloat16 (torchtitan's table)")])
+def test_one_gpu_trains_with_one_graph_mfu_in_its_dtype_and_peak_memory_without_the_probe(dtype, peak):
+    """One process on the host's GPU 0: 1 graph, 0 recompiles, the MFU line against the peak of the
+    dtype the matmuls run in (float32 under the default "high" precision: TF32), and a peak that
+    leaves out the float32 probe (its 4096² matrix alone is 64 MiB; this model's run is far less)."""
+    proc = subprocess.run([sys.executable, str(HERE / "train.py"), *TINY, "--training.mixed_precision_param", dtype],
+                          capture_output=True, text=True, timeout=600, env=GPU_ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "1 rank(s) on cuda" in out and "compiled graphs      1 for 2 blocks" in out, out
+    assert "recompiles           0" in out, out
+    mfu = re.search(r"MFU (\d+)% of (.*)", out)
+    assert mfu and int(mfu[1]) <= 100 and peak in mfu[2], out
+    [memory] = re.findall(r"peak memory per rank (\d+) MiB \(max allocated\)", out)
+    assert int(memory) < 64, f"{memory} MiB: the MFU probe counted"
