@@ -211,6 +211,47 @@ def test_non_finite_loss_stops_at_its_step_and_keeps_the_last_checkpoint(tmp_pat
     assert sorted(p.name for p in folder.iterdir()) == ["step-1", "step-2"]
 
 
+NAN_GRADIENT_AT_STEP_THREE = """
+import sys
+sys.path.insert(0, {here!r})
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+import train
+
+real_clip, calls = train.clip_grad_norm_, []
+
+def clip_grad_norm_(parameters, max_norm):
+    parameters = list(parameters)
+    calls.append(1)
+    if len(calls) == 3:  # a finite loss, one non-finite gradient element
+        parameters[0].grad[0, 0] = float("nan")
+    return real_clip(parameters, max_norm)
+
+register_optimizer_step_pre_hook(lambda *_: print("optimizer step", flush=True))
+train.clip_grad_norm_ = clip_grad_norm_
+train.main()
+"""
+
+
+def test_non_finite_gradient_stops_before_the_update_and_the_save_and_keeps_the_last_checkpoint(tmp_path):
+    """A NaN in one gradient at a saving step, the loss finite: no optimizer step and no save at
+    that step; the step before stays complete and is not pruned (keep_latest_k = 1)."""
+    from checkpoint import checkpoint_state
+
+    script = tmp_path / "nan_gradient.py"
+    script.write_text(textwrap.dedent(NAN_GRADIENT_AT_STEP_THREE.format(here=str(HERE))))
+    folder = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, str(script), *QUICK, "--training.steps", "6", "--checkpoint.enable", "true",
+                           "--checkpoint.folder", str(folder), "--checkpoint.interval", "1",
+                           "--checkpoint.keep_latest_k", "1"],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: step 3: the gradient norm is nan, not applied; check training.lr, training.max_norm and [model]; "
+        f"the last complete checkpoint stays in {folder}"), proc.stderr[-3000:]
+    assert proc.stdout.count("optimizer step") == 2 and "step   3" not in proc.stdout, proc.stdout
+    assert [p.name for p in folder.iterdir()] == ["step-2"] and checkpoint_state(folder / "step-2") == "complete"
+
+
 def test_one_process_in_bfloat16_with_every_second_block_checkpointed_and_no_eval():
     """`python train.py` in bfloat16 (autocast: one process has no FSDP) names that dtype in its
     set-up line and its MFU line; selective_ac_option "2" as an int; no held-out loss without eval."""

@@ -214,11 +214,12 @@ def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forwa
         loss = cross_entropy(logits, y)
         loss.backward()
     # torchtitan's, which reduces the norm of DTensor (TP/FSDP-sharded) gradients (workarounds.py).
-    grad_norm = clip_grad_norm_(model.parameters(), max_norm)
-    optimizer.step()
-    scheduler.step()
+    grad_norm = clip_grad_norm_(model.parameters(), max_norm).item()  # of all ranks' gradients, on every rank
+    if math.isfinite(grad_norm):  # else no update: train_loop stops the run before any save
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return global_mean(loss, dp_mesh), grad_norm.item()  # .item() also waits for the step to finish
+    return global_mean(loss, dp_mesh), grad_norm
 
 
 # -----------------------------------------------------------------------------
@@ -235,8 +236,9 @@ class Run:
 
 def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, device, dp_mesh=None, rank: int = 0,
                log=print, forward=forward_logits, generator=None, t_start: float = T_START) -> Run:
-    """Train `steps`, timing each, logging each, saving on [checkpoint]'s interval. A non-finite
-    loss, a recompile (after step 1, with compile.fail_on_recompile) or SIGTERM stops the run in one line."""
+    """Train `steps`, timing each, logging each, saving on [checkpoint]'s interval. A non-finite loss
+    or gradient norm, a recompile (after step 1, with compile.fail_on_recompile) or SIGTERM stops the
+    run in one line."""
     t, comp, ckpt = cfg["training"], cfg["compile"], cfg["checkpoint"]
     run, amp = Run(steps, [], [], signals=note_stop_signals()), autocast(cfg, device.type)
     for step in steps:
@@ -244,8 +246,9 @@ def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, devic
         x, y = (z.to(device) for z in next(data))
         with stop_on_recompile(step, rank):
             loss, grad_norm = train_step(model, optimizer, scheduler, x, y, t["max_norm"], forward, dp_mesh, amp)
-        if not math.isfinite(loss):  # the global mean: every rank stops here, before any save
-            exit_with(f"error: step {step}: the loss is {loss}; check training.lr, training.max_norm and [model]"
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # global: every rank stops here, before any save
+            what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}, not applied"
+            exit_with(f"error: step {step}: {what}; check training.lr, training.max_norm and [model]"
                       + (f"; the last complete checkpoint stays in {ckpt['folder']}" if ckpt["enable"] else ""), rank)
         run.losses.append(loss)
         run.step_times.append(time.perf_counter() - step_start)
