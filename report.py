@@ -2,12 +2,12 @@
 
 import resource
 import statistics
-import time
 import types
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils.benchmark import Timer
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.tools.utils import get_peak_flops
 
@@ -78,22 +78,13 @@ def peak_flops(device: torch.device, cfg: dict) -> tuple[float, str] | None:
         return ranks * peak, f"{ranks} x {where}'s {peak / 1e12:.0f} TFLOP/s bfloat16 (torchtitan's table)"
     if not cuda and not cfg["metrics"]["measure_cpu_peak"]:
         return None
-    size, n = 4096 if cuda else 1024, 0
+    size = 4096 if cuda else 1024
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
-
-    def matmul():
-        a @ a
-        if cuda:
-            torch.cuda.synchronize(device)  # time the work, not its launch
-
-    [matmul() for _ in range(3)]  # warm-up
     if dist.is_initialized():
         dist.barrier()  # every rank's core busy at once, as in training
-    start = time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < 1.0:
-        matmul()
-        n += 1
-    peaks = gather_from_ranks(2 * size**3 * n / elapsed)
+    # torch's Timer syncs a GPU, warms up while it sizes its blocks, then times blocks for 1 s (their median)
+    timer = Timer("a @ a", globals={"a": a}, num_threads=torch.get_num_threads())
+    peaks = gather_from_ranks(2 * size**3 / timer.blocked_autorange(min_run_time=1.0).median)
     del a
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)  # the probe's matrices are not the run's

@@ -1,5 +1,6 @@
 """Config checks: every bad value is one line naming the field, before any process group."""
 
+import os
 import subprocess
 import sys
 
@@ -195,6 +196,33 @@ def test_every_bad_input_exits_2_from_python_train_py(tmp_path):
         lines = err.splitlines()
         assert len(lines) == 1 and lines[0].startswith("config error: ") and message in lines[0], (argv, err[-3000:])
         assert "step " not in out, argv
+
+
+SCHEDULER_TASKS = ("config error: 2 tasks started without torchrun (SLURM_NTASKS or OMPI_COMM_WORLD_SIZE) would "
+                   "each train alone; start one torchrun per node: srun --ntasks-per-node=1 torchrun --nnodes ")
+
+
+def test_a_schedulers_tasks_without_torchrun_stop_in_one_line(monkeypatch, capsys):
+    """`srun -n 2 python train.py` would start two one-process runs into one checkpoint folder: exit 2
+    with one line naming torchrun. One task, or torchrun's WORLD_SIZE, goes on."""
+    import train
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, str(HERE / "train.py")], env={**env, "SLURM_NTASKS": "2"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and len(_config_error_lines(proc)) == 1, proc.stderr[-3000:]
+    assert _config_error_lines(proc)[0].startswith(SCHEDULER_TASKS), proc.stderr
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        train.config_or_exit([], train.launch_env())
+    assert capsys.readouterr().err.startswith(SCHEDULER_TASKS)
+    for tasks, world_size in (("1", None), ("2", "2")):
+        monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", tasks)
+        if world_size:
+            monkeypatch.setenv("WORLD_SIZE", world_size)
+        assert train.config_or_exit([], train.launch_env())["parallelism"]["tp"] == int(world_size or 1)
 
 
 def test_too_many_processes_for_the_gpus_is_a_config_error(monkeypatch):

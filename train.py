@@ -92,6 +92,17 @@ def launch_env() -> Launch:
     return Launch(*(int(os.environ.get(name, default)) for name, default in defaults.items()))
 
 
+def tasks_without_torchrun() -> str | None:
+    """A scheduler's tasks (srun, mpirun) without torchrun's variables would each train alone, into
+    one checkpoint folder: the line that stops them."""
+    tasks = max(int(os.environ.get(name, 1)) for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
+    if tasks == 1 or "WORLD_SIZE" in os.environ:
+        return None
+    return (f"{tasks} tasks started without torchrun (SLURM_NTASKS or OMPI_COMM_WORLD_SIZE) would each train "
+            "alone; start one torchrun per node: srun --ntasks-per-node=1 torchrun --nnodes $SLURM_NNODES "
+            "--nproc_per_node GPUS_PER_NODE --rdzv-backend c10d --rdzv-endpoint HOST:29500 train.py")
+
+
 def config_or_exit(argv: list[str], launch: Launch) -> dict:
     """The checked config, or exit 2 with one line (rank 0), before any process group exists."""
     if {"-h", "--help"} & set(argv):
@@ -102,7 +113,7 @@ def config_or_exit(argv: list[str], launch: Launch) -> dict:
         path, overrides = parse_args(argv)
         cfg = load_config(path or str(Path(__file__).with_name("config.toml")), launch.world_size, overrides)
         check_resources(cfg, launch.local_world_size)
-        if problem := several_nodes_restart_problem(launch):
+        if problem := tasks_without_torchrun() or several_nodes_restart_problem(launch):
             raise ConfigError(problem)
         if warning := prepare_checkpoint_folder(cfg["checkpoint"], cfg["model"], rank0=launch.rank == 0):
             print(warning, file=sys.stderr)  # on a shared filesystem, rank 0 checks for all
