@@ -258,6 +258,17 @@ def resolve_mesh(dp_shard: int, tp: int, world_size: int) -> tuple[int, int]:
     return dp_shard, tp
 
 
+def tasks_without_torchrun() -> str | None:
+    """A scheduler's tasks (srun, mpirun) without torchrun's variables would each train alone, into
+    one checkpoint folder: the line that stops them."""
+    tasks = max(int(os.environ.get(name, 1)) for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
+    if tasks == 1 or "WORLD_SIZE" in os.environ:
+        return None
+    return (f"{tasks} tasks started without torchrun (SLURM_NTASKS or OMPI_COMM_WORLD_SIZE) would each train "
+            "alone; start one torchrun per node: srun --ntasks-per-node=1 torchrun --nnodes $SLURM_NNODES "
+            "--nproc_per_node GPUS_PER_NODE --rdzv-backend c10d --rdzv-endpoint HOST:29500 train.py")
+
+
 def check_resources(cfg: dict, local_world_size: int) -> None:
     """A GPU per process where there are GPUs, and memory for what `peak_per_rank` counts: the
     impossible, not the tight (it leaves out the interpreter, the allocator and the transients)."""

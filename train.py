@@ -31,7 +31,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 import checkpoint
 import report
-from config import ConfigError, check_resources, load_config, parse_args, prepare_checkpoint_folder
+from config import (ConfigError, check_resources, load_config, parse_args, prepare_checkpoint_folder,
+                    tasks_without_torchrun)
 from materialize import build_on_meta, materialize
 from model import build_model, forward_logits
 from parallelize import autocast, build_parallel_dims, parallelize
@@ -90,17 +91,6 @@ def launch_env() -> Launch:
     agents on one machine count as two nodes."""
     defaults = {"RANK": 0, "WORLD_SIZE": 1, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1, "GROUP_RANK": 0}
     return Launch(*(int(os.environ.get(name, default)) for name, default in defaults.items()))
-
-
-def tasks_without_torchrun() -> str | None:
-    """A scheduler's tasks (srun, mpirun) without torchrun's variables would each train alone, into
-    one checkpoint folder: the line that stops them."""
-    tasks = max(int(os.environ.get(name, 1)) for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
-    if tasks == 1 or "WORLD_SIZE" in os.environ:
-        return None
-    return (f"{tasks} tasks started without torchrun (SLURM_NTASKS or OMPI_COMM_WORLD_SIZE) would each train "
-            "alone; start one torchrun per node: srun --ntasks-per-node=1 torchrun --nnodes $SLURM_NNODES "
-            "--nproc_per_node GPUS_PER_NODE --rdzv-backend c10d --rdzv-endpoint HOST:29500 train.py")
 
 
 def config_or_exit(argv: list[str], launch: Launch) -> dict:
