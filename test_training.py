@@ -279,7 +279,8 @@ TINY = ("--model.num_hidden_layers", "2", "--model.hidden_size", "64", "--model.
 def test_one_gpu_trains_with_one_graph_mfu_in_its_dtype_and_peak_memory_without_the_probe(dtype, peak):
     """One process on the host's GPU 0: 1 graph, 0 recompiles, the MFU line against the peak of the
     dtype the matmuls run in (float32 under the default "high" precision: TF32), and a peak that
-    leaves out the float32 probe (its 4096² matrix alone is 64 MiB; this model's run is far less)."""
+    leaves out the float32 probe (its 4096² matrix and product: 128 MiB; this model, its AdamW state
+    and cuBLAS's workspace take far less)."""
     proc = subprocess.run([sys.executable, str(HERE / "train.py"), *TINY, "--training.mixed_precision_param", dtype],
                           capture_output=True, text=True, timeout=600, env=GPU_ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -289,4 +290,4 @@ def test_one_gpu_trains_with_one_graph_mfu_in_its_dtype_and_peak_memory_without_
     mfu = re.search(r"MFU (\d+)% of (.*)", out)
     assert mfu and int(mfu[1]) <= 100 and peak in mfu[2], out
     [memory] = re.findall(r"peak memory per rank (\d+) MiB \(max allocated\)", out)
-    assert int(memory) < 64, f"{memory} MiB: the MFU probe counted"
+    assert int(memory) < 100, f"{memory} MiB: the MFU probe counted"
