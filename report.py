@@ -7,7 +7,6 @@ import types
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils.benchmark import Timer
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.tools.utils import get_peak_flops
 
@@ -78,6 +77,8 @@ def peak_flops(device: torch.device, cfg: dict) -> tuple[float, str] | None:
         return ranks * peak, f"{ranks} x {where}'s {peak / 1e12:.0f} TFLOP/s bfloat16 (torchtitan's table)"
     if not cuda and not cfg["metrics"]["measure_cpu_peak"]:
         return None
+    from torch.utils.benchmark import Timer  # here: its import warns on a CPU host with a CUDA toolkit
+
     size = 4096 if cuda else 1024
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
     if dist.is_initialized():
