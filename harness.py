@@ -55,7 +55,8 @@ def build_family(family: str, model_cfg: dict, kv_heads: int = 8, window: int | 
                  num_hidden_layers=model_cfg["num_hidden_layers"], num_attention_heads=heads,
                  num_key_value_heads=kv_heads, head_dim=model_cfg["hidden_size"] // heads,
                  vocab_size=model_cfg["vocab_size"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                 use_cache=False, tie_word_embeddings=False, **{flag: True for flag in variants if flag != "mha"})
+                 use_cache=False, tie_word_embeddings=False)
+    sizes.update({flag: True for flag in variants if flag != "mha"})  # "gemma3_text+tie_word_embeddings"
     if window:
         sizes.update(sliding_window=window, use_sliding_window=True, max_window_layers=model_cfg["num_hidden_layers"] // 2)
     try:

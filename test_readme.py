@@ -1,8 +1,8 @@
 """README's recipes as a user pastes them: the blocks of "The fix to copy" (README's plan
 included), run in a plain HF trainer that imports no plan from this project (stock HF models,
 torch's `parallelize_module`, TP 2 + SP on gloo, torch's `checkpoint_wrapper`, per-block
-`torch.compile(fullgraph=True)`, AdamW); recipe B on Qwen3 with README's plan and with
-family_plan.py copied alone. Marked `recompile_proof`: CI runs it on the pinned torch and on
+`torch.compile(fullgraph=True)`, AdamW), on a tied Llama; recipe B on Qwen3 with README's plan
+and with family_plan.py copied alone, and on OLMo 2 and a tied Gemma 3. Marked `recompile_proof`: CI runs it on the pinned torch and on
 torch 2.10.0, where the bug lives.
 """
 
@@ -44,14 +44,18 @@ def readme_blocks(readme: str) -> dict[str, str]:
 
 # Each case: (README's blocks to paste, the model's family, its block plan: README's BLOCK_PLAN or family_plan.py's).
 def cases() -> dict[str, tuple[str, str, str]]:
-    """README's recipes as pasted; recipe B on Qwen3 with README's Llama plan (its guard must refuse)
-    and with family_plan.py; on the pinned torch recipe A without the embedding line, which says
-    whether that line is still needed."""
+    """README's recipes as pasted, on a tied Llama (Llama 3.2 1B's layout); recipe B's guard against
+    TOP_PLAN applied without parallelize_top (untied); recipe B on Qwen3 with README's Llama plan (its
+    guard must refuse), and with family_plan.py on Qwen3, OLMo 2 and a tied Gemma 3; on the pinned
+    torch recipe A without the embedding line, which says whether that line is still needed."""
     blocks = readme_blocks((HERE / "README.md").read_text())
     assert set(blocks) == {"plan", "recipe-a", "recipe-b", "both"}, f"README's recipe blocks: {sorted(blocks)}"
     a, b = (blocks["plan"] + blocks[recipe] + blocks["both"] for recipe in ("recipe-a", "recipe-b"))
-    found = {"A": (a, "llama", "readme"), "B": (b, "llama", "readme"), "B on qwen3, Llama's plan": (b, "qwen3", "readme"),
-             "B on qwen3, family_plan.py": (b, "qwen3", "family_plan"), "B on olmo2, family_plan.py": (b, "olmo2", "family_plan")}
+    found = {"A": (a, TIED_LLAMA, "readme"), "B": (b, TIED_LLAMA, "readme"),
+             "B, TOP_PLAN without parallelize_top": (b, TIED_LLAMA, "top_plan_only"),
+             "B on qwen3, Llama's plan": (b, "qwen3", "readme"), "B on qwen3, family_plan.py": (b, "qwen3", "family_plan"),
+             "B on olmo2, family_plan.py": (b, "olmo2", "family_plan"),
+             "B on gemma3_text, family_plan.py": (b, TIED_GEMMA3, "family_plan")}
     if not HOOK_GUARD_BUG:  # CI time: on torch 2.10.0 too block 0 compiles its own graph (RESULTS.md)
         found["A without the embedding line"] = (a.replace(EMBEDDING_LINE, ""), "llama", "readme")
     return found
@@ -78,9 +82,16 @@ def copied_family_plan(folder: str):
     return module
 
 
+TIED_LLAMA, TIED_GEMMA3 = "llama+tie_word_embeddings", "gemma3_text+tie_word_embeddings"
+
+
 def build(arch: str, cfg: dict):
+    """A seeded model: a Llama from [model] ("+tie_word_embeddings": tied), else harness.build_family's."""
     torch.manual_seed(cfg["training"]["seed"])
-    return LlamaForCausalLM(LlamaConfig(**cfg["model"])) if arch == "llama" else build_family(arch, cfg["model"])
+    family, *variants = arch.split("+")
+    if family != "llama":
+        return build_family(arch, cfg["model"])
+    return LlamaForCausalLM(LlamaConfig(**{**cfg["model"], "tie_word_embeddings": "tie_word_embeddings" in variants}))
 
 
 def adamw_and_schedule(model, t: dict):
@@ -110,7 +121,10 @@ def plain_trainer(code: str, arch: str, plan: str, cfg: dict, batches: list, tp_
             block_plan = family_plan.block_plan(model.model.layers[0], "norm_output")
         else:
             block_plan = recipe["BLOCK_PLAN"]
-        parallelize_module(model, tp_mesh, recipe["TOP_PLAN"])
+        if plan == "top_plan_only":  # README's plan dict applied by hand: the tie is lost
+            parallelize_module(model, tp_mesh, recipe["TOP_PLAN"])
+        else:
+            recipe["parallelize_top"](model, tp_mesh)
         recipe["parallelize_blocks"](model, tp_mesh, block_plan)
     except ValueError as e:
         result["error"] = f"{type(e).__name__}: {e}"
@@ -138,6 +152,7 @@ def plain_trainer(code: str, arch: str, plan: str, cfg: dict, batches: list, tp_
     except Exception as e:
         result["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
     result["graphs"] = counters["stats"]["unique_graphs"]
+    result["tied"] = model.lm_head.weight is model.model.embed_tokens.weight  # one parameter, after the steps
     result["recompile_reasons"] = [r for reasons in guard_failures.values() for r in reasons]
     return result
 
@@ -189,7 +204,7 @@ def run_recipes(tmp_root: str) -> dict:
         out = Path(tmp_root) / f"readme-case-{i}.json"
         spawn(_rank_main, lambda port: (port, case, cfg, str(batches_path), str(out)), TP, f"README's {name} on {TP} ranks")
         results[name] = {**json.loads(out.read_text()), "grads": f"{out}.grads.pt"}
-    for arch in ("qwen3", "olmo2"):
+    for arch in ("qwen3", "olmo2", TIED_GEMMA3):
         one = Path(tmp_root) / f"readme-{arch}-one.grads.pt"
         results[f"{arch}, one process"] = {**one_process(arch, cfg, torch.load(batches_path), str(one)), "grads": str(one)}
     return results
@@ -201,7 +216,8 @@ def test_readme_recipe_compiles_one_graph_with_the_trainers_numbers(tmp_root, re
     r = run_recipes(tmp_root)[recipe]
     assert r["error"] is None, f"README's recipe {recipe}: {r['error']}"
     assert (r["graphs"], r["recompile_reasons"]) == (1, []), f"{r['graphs']} graphs for {NUM_BLOCKS} blocks"
-    trainer = run_tp(tmp_root)  # the project's trainer, TP 2, on the same weights and batches
+    assert r["tied"], "lm_head is no longer the embedding's parameter"
+    trainer = run_tp(tmp_root, **{"model.tie_word_embeddings": True})  # the project's trainer, TP 2, same weights, batches
     assert len(r["losses"]) == STEPS
     assert r["losses"] == pytest.approx(trainer["losses"], abs=1e-5)
     assert r["grad_norms"] == pytest.approx(trainer["grad_norms"], rel=1e-5)
@@ -232,6 +248,27 @@ def test_readme_recipe_b_with_the_copied_family_plan_trains_qwen3_as_one_process
     imported = {(node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
                 for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
     assert not imported & {p.stem for p in HERE.glob("*.py")}, f"family_plan.py imports {imported}"
+
+
+@pytest.mark.recompile_proof
+def test_readme_recipe_b_refuses_a_tied_model_that_top_plan_untied(tmp_root):
+    """TOP_PLAN applied by hand gives lm_head a weight of its own, whose gradient lacks the
+    embedding's share (63% off one process's, losses 0.65 apart at step 3): the guard refuses."""
+    r = run_recipes(tmp_root)["B, TOP_PLAN without parallelize_top"]
+    assert r["error"] == "ValueError: lm_head is tied in config, not in the model: call parallelize_top", r["error"]
+    assert r["losses"] == []
+
+
+@pytest.mark.recompile_proof
+def test_readme_recipe_b_with_the_copied_family_plan_keeps_gemma3s_tied_embedding(tmp_root):
+    """Gemma 3 ties lm_head to its (scaled) embedding: one parameter through parallelize_top, so
+    every step-1 gradient and every loss is one process's."""
+    results = run_recipes(tmp_root)
+    r, single = results["B on gemma3_text, family_plan.py"], results[f"{TIED_GEMMA3}, one process"]
+    assert r["error"] is None, r["error"]
+    assert r["tied"] and r["recompile_reasons"] == [], r["recompile_reasons"]
+    assert r["losses"] == pytest.approx(single["losses"], abs=1e-5)
+    assert_every_gradient_matches(r, single)
 
 
 @pytest.mark.recompile_proof
