@@ -64,16 +64,33 @@ def checkpoint_state(path: Path) -> str:
     return "complete" if files and sizes == files else "incomplete"
 
 
-def write_marker(path: Path, step: int) -> str | None:
-    """None once the marker is written; else why not (OSError's words)."""
-    files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
-    tmp = path / (MARKER + ".tmp")
+def write_marker(path: Path, step: int, run: dict) -> str | None:
+    """Rank 0, after dcp.save: the marker lists every file DCP's .metadata names (each rank's shards),
+    with its size, and the run that wrote them (`run_record`). None once written; else why not."""
+    need, tmp = {".metadata": 0}, path / (MARKER + ".tmp")  # each file's size at least: its last item's end
     try:
-        tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
+        for item in dcp.FileSystemReader(path).read_metadata().storage_data.values():
+            need[item.relative_path] = max(need.get(item.relative_path, 0), item.offset + item.length)
+        have = {name: (path / name).stat().st_size for name in need if (path / name).is_file()}
+        if unseen := [name for name, size in need.items() if have.get(name, -1) < size]:
+            return (f"rank 0 sees {len(need) - len(unseen)} of the {len(need)} files DCP wrote ({unseen[0]} is "
+                    "missing or short): checkpoint.folder must be one file system that every node shares")
+        tmp.write_text(json.dumps({"step": step, "files": have, "run": run}, indent=1))
         os.replace(tmp, path / MARKER)  # atomic: the marker is there whole or not at all
     except OSError as e:
         return e.strerror or str(e)
     return None
+
+
+def run_record(cfg: dict) -> dict:
+    """What a checkpoint records of its run: a resume refuses a change to [model] or to training's
+    lr, warmup_steps or seed (REFUSED), and applies and logs one to the steps, the batch or the mesh."""
+    t, p = cfg["training"], cfg["parallelism"]
+    return {"model": cfg["model"], "training": {k: t[k] for k in (*REFUSED, "steps", "local_batch_size", "seq_len")},
+            "parallelism": {"dp_shard": p["dp_shard"], "tp": p["tp"]}}
+
+
+REFUSED = ("lr", "warmup_steps", "seed")
 
 
 # -----------------------------------------------------------------------------
@@ -87,11 +104,11 @@ def training_state(model, optimizer, scheduler, generator: torch.Generator, step
             "train": {"step": step, "scheduler": scheduler.state_dict(), "data_rng": generator.get_state()}}
 
 
-def save(folder: Path, step: int, keep_latest_k: int, model, optimizer, scheduler, generator, log) -> Path:
+def save(cfg: dict, step: int, model, optimizer, scheduler, generator, log) -> Path:
     """DCP save on every rank, then rank 0's marker, then old checkpoints pruned: a checkpoint
-    is removed only once a newer one is complete. A failed save (a full disk) is removed and
-    raised as CheckpointError on every rank. Returns the checkpoint's folder."""
-    start = time.perf_counter()
+    is removed only once a newer one is complete. A failed save (a full disk, a shard rank 0
+    cannot see) is removed and raised as CheckpointError on every rank. Returns its folder."""
+    start, folder = time.perf_counter(), Path(cfg["checkpoint"]["folder"])
     path = folder / f"step-{step}"
     if is_rank0():
         shutil.rmtree(path, ignore_errors=True)  # an earlier, unfinished save of this step
@@ -100,7 +117,7 @@ def save(folder: Path, step: int, keep_latest_k: int, model, optimizer, schedule
     try:
         # dcp.save returns once rank 0 wrote .metadata, after every rank's shards; it raises on every rank.
         dcp.save(training_state(model, optimizer, scheduler, generator, step), checkpoint_id=path)
-        failure = decided_on_rank0(lambda: write_marker(path, step))
+        failure = decided_on_rank0(lambda: write_marker(path, step, run_record(cfg)))
     except (OSError, CheckpointException) as e:
         failure = decided_on_rank0(lambda: why_save_failed(e, path))
     if failure:
@@ -109,7 +126,7 @@ def save(folder: Path, step: int, keep_latest_k: int, model, optimizer, schedule
         last = latest_complete(folder, lambda *_: None)  # for rank 0's line
         raise CheckpointError(f"step {step}: saving {path} failed: {failure}; "
                               + (f"{last[1]} stays the last complete checkpoint" if last else "no complete checkpoint"))
-    removed = prune(folder, step, keep_latest_k) if is_rank0() else []
+    removed = prune(folder, step, cfg["checkpoint"]["keep_latest_k"]) if is_rank0() else []
     log(f"checkpoint: saved step {step} to {path} in {time.perf_counter() - start:.1f} s"
         + (f" (removed {', '.join(removed)})" if removed else ""))
     return path
@@ -139,16 +156,17 @@ def prune(folder: Path, newest: int, keep_latest_k: int) -> list[str]:
     return [p.name for p in stale]
 
 
-def resume(ckpt: dict, model, optimizer, scheduler, generator, log) -> int:
+def resume(cfg: dict, model, optimizer, scheduler, generator, log) -> int:
     """Load the latest complete checkpoint in `folder` and return its step; without one,
     load `initial_load_path`'s weights (or nothing) and return 0."""
+    ckpt = cfg["checkpoint"]
     folder = Path(ckpt["folder"])
     latest = decided_on_rank0(lambda: latest_complete(folder, log))
     start = time.perf_counter()
     if latest is not None:
         step, path = latest
+        require_same_run(path, cfg, log)
         state = training_state(model, optimizer, scheduler, generator, step)
-        require_same_model(path, state["model"])
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         scheduler.load_state_dict(state["train"]["scheduler"])
@@ -160,8 +178,8 @@ def resume(ckpt: dict, model, optimizer, scheduler, generator, log) -> int:
         if hf:
             load_hf_slices(model, path)
         else:  # the model part of another run's DCP checkpoint; optimizer and schedule start fresh
+            require_same_run(path, cfg, log, every_key=False)
             state = {"model": tree_map(without_strided_shards, get_model_state_dict(model))}
-            require_same_model(path, state["model"])
             dcp.load(state, checkpoint_id=path)
             set_model_state_dict(model, state["model"])
         log(f"checkpoint: none complete in {folder}; loaded the {'HF' if hf else 'DCP'} weights of "
@@ -190,16 +208,25 @@ def decided_on_rank0(decide):
     return answer[0]
 
 
-def require_same_model(path: Path, model_state: dict) -> None:
-    """Every tensor's global shape in the checkpoint's metadata against the model's, on rank 0:
-    a changed [model] is one line, not DCP's size-mismatch traceback on every rank."""
-    def mismatch():
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        have = {k.removeprefix("model."): list(v.size) for k, v in saved.items() if k.startswith("model.")}
-        return shapes_mismatch(have, {k: list(v.shape) for k, v in model_state.items()})
-    if problem := decided_on_rank0(mismatch):
-        raise CheckpointError(f"{path} was written for another [model]: {problem}; resume with the [model] "
-                              "it was written with, or use another checkpoint.folder")
+def require_same_run(path: Path, cfg: dict, log, every_key: bool = True) -> None:
+    """The marker's record (`run_record`) against this run's, on rank 0. A changed [model] key, or with
+    `every_key` a REFUSED training key, is one line, not DCP's size mismatch on every rank; a changed
+    steps, batch or mesh is applied, and logged."""
+    def compare():
+        saved, now = json.loads((path / MARKER).read_text()).get("run"), run_record(cfg)
+        if saved is None:
+            return None, f"checkpoint: {path} records no run (an older train.py): [model] and training not checked"
+        changed = [(f"{part}.{key}", saved[part][key], value) for part in now if every_key or part == "model"
+                   for key, value in now[part].items() if saved[part].get(key) != value]
+        refused = [c for c in changed if c[0].startswith("model.") or c[0].removeprefix("training.") in REFUSED]
+        return refused[:1], changed and "checkpoint: resuming with " + ", ".join(f"{k} {a} -> {b}" for k, a, b in changed)
+    refused, note = decided_on_rank0(compare)
+    if refused:
+        [(key, was, value)] = refused
+        raise CheckpointError(f"{path} was written with {key} = {was!r}, this run has {value!r}: resume with the "
+                              "same [model] and training.lr, warmup_steps and seed, or use another checkpoint.folder")
+    if note:
+        log(note)
 
 
 # -----------------------------------------------------------------------------
@@ -263,13 +290,5 @@ def hf_folder_mismatch(path: Path, model_cfg: dict) -> str | None:
     for file in files:
         with safe_open(file, "pt") as f:
             have.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
-    return shapes_mismatch(have, want)
-
-
-def shapes_mismatch(have: dict, want: dict) -> str | None:
-    """The first difference between two {name: shape}s, "there" (have) and for [model] (want)."""
-    missing, unexpected = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
-    if missing or unexpected:
-        return f"tensors missing ({', '.join(missing[:3]) or 'none'}) or unexpected ({', '.join(unexpected[:3]) or 'none'})"
-    wrong = next((key for key in want if want[key] != have[key]), None)
-    return f"{wrong} has shape {have[wrong]} there, {want[wrong]} for [model]" if wrong else None
+    wrong = next((key for key in sorted(want.keys() | have.keys()) if want.get(key) != have.get(key)), None)
+    return f"{wrong} has shape {have.get(wrong, 'none')} there, {want.get(wrong, 'none')} for [model]" if wrong else None

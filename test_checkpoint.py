@@ -224,6 +224,7 @@ def test_tp_checkpoint_resumes_on_four_ranks(tmp_root, tmp_path):
     shutil.copytree(full_folder / "step-15", folder / "step-15")
     out = _train(4, [*_ckpt_args(folder), "--parallelism.dp_shard", "2", "--training.local_batch_size", "1"])
     assert "checkpoint: loaded step 15" in out, out[-3000:]
+    assert "checkpoint: resuming with training.local_batch_size 2 -> 1, parallelism.dp_shard 1 -> 2" in out
     assert_resumed_losses(out, full, after=15)
     _assert_one_graph(out)
 
@@ -384,7 +385,7 @@ def _resume_main(rank: int, port: int, folder: str, out: str) -> None:
                           "checkpoint.folder": folder})
     validate(cfg, 2)
     model, optimizer, scheduler = train.build_training(cfg, torch.device("cpu"), parallelize.build_parallel_dims(cfg, 2, "cpu"))
-    step = checkpoint.resume(cfg["checkpoint"], model, optimizer, scheduler, torch.Generator(), lambda *a: None)
+    step = checkpoint.resume(cfg, model, optimizer, scheduler, torch.Generator(), lambda *a: None)
     steps = [None, None]
     dist.all_gather_object(steps, step)
     if rank == 0:
@@ -451,6 +452,7 @@ def _fused_family_main(rank: int, port: int, folder: str) -> None:
                           "parallelism.attention_gather": "norm_output", "compile.enable": False, "training.steps": 4})
     validate(cfg, 4)
     t, quiet = cfg["training"], lambda *a: None
+    in_folder = lambda name: {**cfg, "checkpoint": {**cfg["checkpoint"], "folder": str(Path(folder, name))}}  # noqa: E731
     data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     whole = lambda logits: logits.full_tensor() if isinstance(logits, DTensor) else logits  # noqa: E731
@@ -469,13 +471,13 @@ def _fused_family_main(rank: int, port: int, folder: str) -> None:
             for step in steps:
                 losses.append(train.train_step(model, optimizer, scheduler, *next(batches), t["max_norm"], dp_mesh=dp_mesh)[0])
                 if step == save_after:
-                    checkpoint.save(Path(folder, family), step, 0, model, optimizer, scheduler, generator, quiet)
+                    checkpoint.save(in_folder(family), step, model, optimizer, scheduler, generator, quiet)
             return losses
 
         model, optimizer, scheduler, dp_mesh = build()
         generator = torch.Generator().manual_seed(t["seed"])
         uninterrupted = run(model, optimizer, scheduler, generator, dp_mesh, range(1, 5), 2)
-        checkpoint.save(Path(folder, family + "-end"), 4, 0, model, optimizer, scheduler, generator, quiet)
+        checkpoint.save(in_folder(family + "-end"), 4, model, optimizer, scheduler, generator, quiet)
         try:  # what family_plan.without_strided_shards works around
             dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=Path(folder, family + "-strided"))
             strided_save = "saved"
@@ -492,8 +494,7 @@ def _fused_family_main(rank: int, port: int, folder: str) -> None:
         dist.barrier()
         model, optimizer, scheduler, dp_mesh = build()
         generator = torch.Generator()
-        step = checkpoint.resume({"folder": str(Path(folder, family)), "initial_load_path": "", "initial_load_in_hf": False},
-                                 model, optimizer, scheduler, generator, quiet)
+        step = checkpoint.resume(in_folder(family), model, optimizer, scheduler, generator, quiet)
         resumed = run(model, optimizer, scheduler, generator, dp_mesh, range(step + 1, 5))
         imported = build()[0]
         load_hf_slices(imported, hf)

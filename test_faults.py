@@ -40,20 +40,99 @@ def _no_traceback_from_the_ranks(out: str) -> None:
 
 
 @pytest.mark.parametrize("nproc, dp_shard, change, message", [
-    (1, 1, ("--model.hidden_size", "128"), "model.embed_tokens.weight has shape [2048, 256] there, [2048, 128]"),
-    (2, 1, ("--model.num_key_value_heads", "4"), "model.layers.0.self_attn.k_proj.weight has shape [256, 256] there, [64, 256]"),
-    (4, 2, ("--model.num_hidden_layers", "3"), "tensors missing (model.layers.2."),
-], ids=["1proc-hidden", "tp2-kv_heads", "dp_shard2xtp2-layers"])
-def test_resume_into_a_changed_model_is_one_line(tmp_root, tmp_path, nproc, dp_shard, change, message):
+    (1, 1, ("--model.hidden_size", "128"), "model.hidden_size = 256, this run has 128"),
+    (2, 1, ("--model.rms_norm_eps", "1e-6"), "model.rms_norm_eps = 1e-05, this run has 1e-06"),
+    (4, 2, ("--training.lr", "1e-3"), "training.lr = 0.0008, this run has 0.001"),
+], ids=["1proc-hidden", "tp2-rms_norm_eps", "dp_shard2xtp2-lr"])
+def test_resume_with_a_changed_model_or_lr_is_one_line(tmp_root, tmp_path, nproc, dp_shard, change, message):
     _, full_folder = uninterrupted(tmp_root, 2, 1)
     folder = tmp_path / "ckpt"
     shutil.copytree(full_folder / "step-15", folder / "step-15")
     out = _failed(nproc, [*_ckpt_args(folder), *EAGER, "--parallelism.dp_shard", str(dp_shard), *change])
     [line] = _our_lines(out, "error: ")
-    assert line.startswith(f"error: {folder / 'step-15'} was written for another [model]: {message}"), line
-    assert line.endswith("resume with the [model] it was written with, or use another checkpoint.folder"), line
+    assert line == (f"error: {folder / 'step-15'} was written with {message}: resume with the same [model] and "
+                    "training.lr, warmup_steps and seed, or use another checkpoint.folder"), line
     assert "step " not in out.split(line)[0] and "Size mismatch" not in out, out[-3000:]
     _no_traceback_from_the_ranks(out)
+
+
+def test_every_model_key_lr_warmup_and_seed_are_refused_and_steps_batch_and_mesh_are_logged(tmp_path):
+    """The record a save writes into complete.json against a changed config, key by key."""
+    import copy
+    import json
+
+    from checkpoint import MARKER, CheckpointError, require_same_run, run_record
+    from conftest import small_config
+
+    cfg = small_config()
+    (tmp_path / MARKER).write_text(json.dumps({"step": 1, "files": {}, "run": run_record(cfg)}))
+    refused = [("model", key) for key in cfg["model"]] + [("training", k) for k in ("lr", "warmup_steps", "seed")]
+    for section, key in refused:
+        changed = copy.deepcopy(cfg)
+        changed[section][key] = "other"
+        with pytest.raises(CheckpointError, match=f"was written with {section}.{key} = .*, this run has 'other'"):
+            require_same_run(tmp_path, changed, print)
+    logged, changed = [], copy.deepcopy(cfg)
+    for section, key in (("training", "steps"), ("training", "local_batch_size"), ("training", "seq_len"),
+                         ("parallelism", "dp_shard"), ("parallelism", "tp")):
+        changed[section][key] = cfg[section][key] * 2
+    changed["training"]["max_norm"] = 2.0  # not recorded: any value resumes
+    require_same_run(tmp_path, changed, logged.append)
+    t, p = cfg["training"], cfg["parallelism"]
+    assert logged == [f"checkpoint: resuming with training.steps {t['steps']} -> {2 * t['steps']}, "
+                      f"training.local_batch_size {t['local_batch_size']} -> {2 * t['local_batch_size']}, "
+                      f"training.seq_len {t['seq_len']} -> {2 * t['seq_len']}, "
+                      f"parallelism.dp_shard {p['dp_shard']} -> {2 * p['dp_shard']}, parallelism.tp {p['tp']} -> {2 * p['tp']}"]
+    logged.clear()
+    require_same_run(tmp_path, cfg, logged.append)
+    assert logged == []
+
+
+def test_resume_with_more_steps_trains_on_and_says_so(tmp_root, tmp_path):
+    _, full_folder = uninterrupted(tmp_root, 2, 1)
+    folder = tmp_path / "ckpt"
+    shutil.copytree(full_folder / "step-15", folder / "step-15")
+    out = _train(1, [*_ckpt_args(folder), *EAGER, "--training.steps", "25"])
+    assert "checkpoint: resuming with training.steps 20 -> 25, parallelism.tp 2 -> 1" in out, out[-3000:]
+    assert sorted(_step_values(out)) == list(range(16, 26)), out[-3000:]
+
+
+HIDDEN_SHARD = """
+import sys
+import checkpoint, train
+
+write_marker = checkpoint.write_marker
+
+
+def write_marker_without_rank_1s_shard(path, step, run):
+    if step == 10:  # as rank 0 sees a node without a shared file system
+        (path / "__1_0.distcp").rename(path.parent / "hidden.distcp")
+    return write_marker(path, step, run)
+
+
+checkpoint.write_marker = write_marker_without_rank_1s_shard
+train.main()
+"""
+
+
+def test_a_shard_rank_0_cannot_see_writes_no_marker_and_keeps_the_previous_checkpoint(tmp_path):
+    """The marker lists the files DCP's .metadata names, not those rank 0 sees in the folder."""
+    folder, script = tmp_path / "ckpt", tmp_path / "hidden_shard.py"
+    script.write_text(HIDDEN_SHARD)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", str(script),
+                           *_ckpt_args(folder, *EAGER, "--training.steps", "10", "--checkpoint.keep_latest_k", "1")],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    [line] = _our_lines(out, "error: ")
+    assert line == (f"error: step 10: saving {folder / 'step-10'} failed: rank 0 sees 2 of the 3 files DCP wrote "
+                    "(__1_0.distcp is missing or short): checkpoint.folder must be one file system that every node "
+                    f"shares; {folder / 'step-5'} stays the last complete checkpoint"), line
+    _no_traceback_from_the_ranks(out)
+    assert sorted(p.name for p in folder.iterdir()) == ["hidden.distcp", "step-5"]
+    assert checkpoint_state(folder / "step-5") == "complete"
 
 
 def _can_mount_tmpfs() -> bool:

@@ -58,7 +58,7 @@ def main() -> None:
         log(f"data: {len(train_data):,} train bytes, {len(held_out):,} held-out bytes of the Python stdlib")
         model, optimizer, scheduler = build_training(cfg, device, parallel_dims)
         generator = torch.Generator().manual_seed(t["seed"])  # the data position a checkpoint saves
-        start_step = checkpoint.resume(ckpt, model, optimizer, scheduler, generator, log) if ckpt["enable"] else 0
+        start_step = checkpoint.resume(cfg, model, optimizer, scheduler, generator, log) if ckpt["enable"] else 0
         if start_step >= t["steps"]:
             log(f"checkpoint: step {start_step} is the last of training.steps = {t['steps']}; nothing to train")
             return
@@ -261,8 +261,7 @@ def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, devic
             f"{report.tokens_per_step(cfg) / run.step_times[-1]:7.0f} tokens/s | {time.perf_counter() - t_start:6.1f} s")
         signum, saved = agreed_signal(run.signals, device), None
         if ckpt["enable"] and (step % ckpt["interval"] == 0 or step == t["steps"] or signum):
-            saved = checkpoint.save(Path(ckpt["folder"]), step, ckpt["keep_latest_k"], model, optimizer, scheduler,
-                                    generator, log)
+            saved = checkpoint.save(cfg, step, model, optimizer, scheduler, generator, log)
         if signum:
             exit_with(f"stopped by {signal.Signals(signum).name} after step {step}; "
                       + (f"saved {saved}" if saved else "checkpoints are off: nothing saved"), rank, code=128 + signum)
