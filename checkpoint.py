@@ -22,7 +22,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.utils._pytree import tree_map
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from family_plan import without_strided_shards
 from materialize import load_hf_slices
@@ -65,8 +64,8 @@ def checkpoint_state(path: Path) -> str:
 
 
 def write_marker(path: Path, step: int, run: dict) -> str | None:
-    """Rank 0, after dcp.save: the marker lists every file DCP's .metadata names (each rank's shards),
-    with its size, and the run that wrote them (`run_record`). None once written; else why not."""
+    """Rank 0, after dcp.save: the marker names every file DCP's .metadata lists (each rank's shards) with
+    its size, and the run (`run_record`). None once written; else why not."""
     need, tmp = {".metadata": 0}, path / (MARKER + ".tmp")  # each file's size at least: its last item's end
     try:
         for item in dcp.FileSystemReader(path).read_metadata().storage_data.values():
@@ -82,15 +81,14 @@ def write_marker(path: Path, step: int, run: dict) -> str | None:
     return None
 
 
+REFUSED = ("lr", "warmup_steps", "seed")  # training keys a resume refuses to change, as any [model] key
+
+
 def run_record(cfg: dict) -> dict:
-    """What a checkpoint records of its run: a resume refuses a change to [model] or to training's
-    lr, warmup_steps or seed (REFUSED), and applies and logs one to the steps, the batch or the mesh."""
+    """What complete.json records of the run that wrote it (require_same_run)."""
     t, p = cfg["training"], cfg["parallelism"]
     return {"model": cfg["model"], "training": {k: t[k] for k in (*REFUSED, "steps", "local_batch_size", "seq_len")},
             "parallelism": {"dp_shard": p["dp_shard"], "tp": p["tp"]}}
-
-
-REFUSED = ("lr", "warmup_steps", "seed")
 
 
 # -----------------------------------------------------------------------------
@@ -209,14 +207,13 @@ def decided_on_rank0(decide):
 
 
 def require_same_run(path: Path, cfg: dict, log, every_key: bool = True) -> None:
-    """The marker's record (`run_record`) against this run's, on rank 0. A changed [model] key, or with
-    `every_key` a REFUSED training key, is one line, not DCP's size mismatch on every rank; a changed
-    steps, batch or mesh is applied, and logged."""
+    """The marker's record (`run_record`) against this run's, on rank 0: a changed [model] key (or with
+    `every_key`, a REFUSED one) is one line, not DCP's size mismatch; a changed steps, batch or mesh is logged."""
     def compare():
         saved, now = json.loads((path / MARKER).read_text()).get("run"), run_record(cfg)
         if saved is None:
             return None, f"checkpoint: {path} records no run (an older train.py): [model] and training not checked"
-        changed = [(f"{part}.{key}", saved[part][key], value) for part in now if every_key or part == "model"
+        changed = [(f"{part}.{key}", saved[part].get(key), value) for part in now if every_key or part == "model"
                    for key, value in now[part].items() if saved[part].get(key) != value]
         refused = [c for c in changed if c[0].startswith("model.") or c[0].removeprefix("training.") in REFUSED]
         return refused[:1], changed and "checkpoint: resuming with " + ", ".join(f"{k} {a} -> {b}" for k, a, b in changed)
@@ -264,31 +261,3 @@ def write_hf(path: Path, weights: dict, model_cfg: dict) -> str | None:
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
     return None
-
-
-def hf_folder_mismatch(path: Path, model_cfg: dict) -> str | None:
-    """What differs between an HF folder (config.json, then the tensors' shapes) and [model], in a few
-    words; None if nothing does."""
-    from safetensors import safe_open
-
-    try:
-        found = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        return f"no readable config.json ({type(e).__name__})"
-    defaults = LlamaConfig().to_dict()  # what transformers assumes for a key config.json leaves out
-    for key, want in ((k, v) for k, v in model_cfg.items() if k != "attn_implementation"):  # not in the weights
-        have = found.get(key, defaults.get(key))
-        if have != want:
-            return f"config.json has {key} = {have}, [model] has {want}"
-    with torch.device("meta"):
-        want = {k: list(v.shape) for k, v in LlamaForCausalLM(hf_config(model_cfg)).state_dict().items()
-                if not (k == "lm_head.weight" and model_cfg["tie_word_embeddings"])}
-    have = {}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        return "no *.safetensors file"
-    for file in files:
-        with safe_open(file, "pt") as f:
-            have.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
-    wrong = next((key for key in sorted(want.keys() | have.keys()) if want.get(key) != have.get(key)), None)
-    return f"{wrong} has shape {have.get(wrong, 'none')} there, {want.get(wrong, 'none')} for [model]" if wrong else None

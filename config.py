@@ -11,7 +11,8 @@ import torch
 from torch._dynamo import list_backends
 from transformers import LlamaForCausalLM
 
-from checkpoint import MARKER, checkpoint_state, hf_folder_mismatch
+from checkpoint import MARKER, checkpoint_state
+from materialize import hf_folder_mismatch
 from model import DECODER_LAYERS, hf_config
 
 SCHEMA = {  # every key and its type, in config.toml's order
