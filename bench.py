@@ -174,8 +174,8 @@ def worker(variant: str, args) -> None:
     from model import build_model
 
     launch = train.launch_env()
-    device = train.init_distributed(launch)
     cfg = variant_config(variant, args, launch.world_size)
+    device = train.init_distributed(launch, cfg["comm"]["init_timeout_seconds"])
     t = cfg["training"]
     torch.set_float32_matmul_precision(t["float32_matmul_precision"])  # as train.main
     peak = report.peak_flops(device, cfg)

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map
 from family_plan import without_strided_shards
 from materialize import load_hf_slices
 from model import hf_config
+from workarounds import set_comm_timeout
 
 MARKER = "complete.json"
 STEP_DIR = re.compile(r"step-(\d+)")
@@ -108,6 +109,7 @@ def save(cfg: dict, step: int, model, optimizer, scheduler, generator, log) -> P
     cannot see) is removed and raised as CheckpointError on every rank. Returns its folder."""
     start, folder = time.perf_counter(), Path(cfg["checkpoint"]["folder"])
     path = folder / f"step-{step}"
+    set_comm_timeout(cfg["comm"]["init_timeout_seconds"])  # the others wait while rank 0 writes and prunes
     if is_rank0():
         shutil.rmtree(path, ignore_errors=True)  # an earlier, unfinished save of this step
     if dist.is_initialized():
@@ -124,7 +126,8 @@ def save(cfg: dict, step: int, model, optimizer, scheduler, generator, log) -> P
         last = latest_complete(folder, lambda *_: None)  # for rank 0's line
         raise CheckpointError(f"step {step}: saving {path} failed: {failure}; "
                               + (f"{last[1]} stays the last complete checkpoint" if last else "no complete checkpoint"))
-    removed = prune(folder, step, cfg["checkpoint"]["keep_latest_k"]) if is_rank0() else []
+    removed = decided_on_rank0(lambda: prune(folder, step, cfg["checkpoint"]["keep_latest_k"]))
+    set_comm_timeout(cfg["comm"]["train_timeout_seconds"])
     log(f"checkpoint: saved step {step} to {path} in {time.perf_counter() - start:.1f} s"
         + (f" (removed {', '.join(removed)})" if removed else ""))
     return path
@@ -229,15 +232,16 @@ def require_same_run(path: Path, cfg: dict, log, every_key: bool = True) -> None
 # -----------------------------------------------------------------------------
 # Hugging Face weights in and out
 
-def save_hf(folder: Path, step: int, model, model_cfg: dict, log) -> None:
+def save_hf(cfg: dict, step: int, model, log) -> None:
     """Rank 0 writes the full weights as a folder that stock `LlamaForCausalLM.from_pretrained`
     loads: config.json + model.safetensors. Every rank takes part in gathering them."""
-    start = time.perf_counter()
+    start, folder = time.perf_counter(), Path(cfg["checkpoint"]["folder"])
+    set_comm_timeout(cfg["comm"]["init_timeout_seconds"])  # the others wait while rank 0 writes
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if model.config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # as HF saves a tied model (rank 0 holds the full weights)
     path = folder / f"step-{step}-hf"
-    failure = decided_on_rank0(lambda: write_hf(path, weights, model_cfg))
+    failure = decided_on_rank0(lambda: write_hf(path, weights, cfg["model"]))
     if failure:
         raise CheckpointError(f"step {step}: writing the HF weights to {path} failed: {failure}; "
                               f"{folder / f'step-{step}'} is complete")

@@ -31,6 +31,7 @@ SCHEMA = {  # every key and its type, in config.toml's order
     "metrics": dict(measure_cpu_peak=bool),
     "checkpoint": dict(enable=bool, folder=str, interval=int, keep_latest_k=int,  # torchtitan's names
                        initial_load_path=str, initial_load_in_hf=bool, last_save_in_hf=bool),
+    "comm": dict(init_timeout_seconds=int, train_timeout_seconds=int),
 }
 
 ATTENTION_GATHERS = ("pre_hook", "norm_output")  # parallelize.block_plan
@@ -103,6 +104,7 @@ def validate(cfg: dict, world_size: int) -> None:
     check_compile(cfg["compile"])
     check_data(cfg["data"])
     check_checkpoint(cfg["checkpoint"], cfg["model"])
+    require_positive(cfg["comm"], "comm", "init_timeout_seconds", "train_timeout_seconds")
 
 
 def check_table(values: dict, fields: dict, prefix: str = "") -> None:

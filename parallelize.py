@@ -53,6 +53,7 @@ def build_parallel_dims(cfg: dict, world_size: int, device_type: str) -> Paralle
     parallel_dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, pp=1, ep=1, etp=1,
                                  world_size=dp_shard * tp)
     parallel_dims.build_mesh()
+    workarounds.set_comm_timeout(cfg["comm"]["init_timeout_seconds"])  # its subgroups too, until step 1
     return parallel_dims
 
 

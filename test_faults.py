@@ -312,3 +312,39 @@ def test_sigterm_in_the_final_hf_export_finishes_the_write_and_stops(tmp_path):
     assert "summary:" not in out
     assert sorted(p.name for p in (folder / "step-2-hf").iterdir()) == ["config.json", "model.safetensors"]
     assert not (folder / "step-2-hf.tmp").exists()
+
+
+SLOW_RANK_0_WRITES = """
+import time
+import checkpoint, train
+
+write_marker, write_hf = checkpoint.write_marker, checkpoint.write_hf
+
+
+def slow(write):
+    def written_slowly(*args):
+        time.sleep(8)  # a slow file system, while the other rank waits in a collective
+        return write(*args)
+    return written_slowly
+
+
+checkpoint.write_marker, checkpoint.write_hf = slow(write_marker), slow(write_hf)
+train.main()
+"""
+
+
+def test_slow_rank_0_writes_outlast_the_training_timeout(tmp_path):
+    """comm.train_timeout_seconds (3 s here) bounds every collective after step 1, but not the wait
+    for rank 0's marker, prune and HF export (8 s each): those run under init_timeout_seconds."""
+    folder, script = tmp_path / "ckpt", tmp_path / "slow_writes.py"
+    script.write_text(SLOW_RANK_0_WRITES)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           f"--master_port={free_port()}", str(script),
+                           *_ckpt_args(folder, *EAGER, "--training.steps", "4", "--checkpoint.interval", "2",
+                                       "--checkpoint.last_save_in_hf", "true", "--comm.train_timeout_seconds", "3")],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "checkpoint: saved step 4" in out and "checkpoint: wrote the HF weights of step 4" in out, out[-3000:]
+    assert "summary:" in out

@@ -140,3 +140,36 @@ def test_without_the_restart_store_a_restarted_group_meets_the_failed_attempts_k
     found = sorted(line for line in proc.stdout.splitlines() if "after a restart" in line)
     assert found == [f"rank {r} after a restart finds the first attempt's keys: True" for r in (0, 1)], (
         f"{found}: a restart meets a store of its own, and the workaround may go")
+
+
+def _timeouts_main(rank: int, port: int, out: str) -> None:
+    import datetime
+    import json
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp_shard", "tp"))  # tp: the world group
+    groups = {"world": dist.distributed_c10d._get_default_group(), "dp_shard": mesh.get_group("dp_shard")}
+    timeout = lambda group: group._get_backend(torch.device("cpu")).options._timeout.total_seconds()  # noqa: E731
+    before = {name: timeout(group) for name, group in groups.items()}
+    workarounds.set_comm_timeout(7)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"before": before, "after": {n: timeout(g) for n, g in groups.items()}}))
+    dist.destroy_process_group()
+
+
+def test_without_the_timeout_workaround_a_device_mesh_subgroup_keeps_gloos_default(tmp_path):
+    """init_process_group's timeout reaches the world group only: a DeviceMesh subgroup keeps gloo's
+    30 minutes, so set_comm_timeout sets every group this rank is in."""
+    import json
+
+    from conftest import spawn
+
+    out = tmp_path / "timeouts.json"
+    spawn(_timeouts_main, lambda port: (port, str(out)), 2, "timeouts")
+    found = json.loads(out.read_text())
+    assert found["before"] == {"world": 60, "dp_shard": 1800}, "subgroups take init_process_group's timeout now"
+    assert found["after"] == {"world": 7, "dp_shard": 7}

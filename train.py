@@ -16,6 +16,7 @@ T_START = time.perf_counter()  # time to first step counts the imports too
 import collections
 import contextlib
 import dataclasses
+import datetime
 import math
 import os
 import signal
@@ -36,7 +37,7 @@ from config import (ConfigError, check_resources, load_config, parse_args, prepa
 from materialize import build_on_meta, materialize
 from model import build_model, forward_logits
 from parallelize import autocast, build_parallel_dims, parallelize
-from workarounds import clip_grad_norm_, several_nodes_restart_problem, store_for_this_restart
+from workarounds import clip_grad_norm_, set_comm_timeout, several_nodes_restart_problem, store_for_this_restart
 
 
 def main() -> None:
@@ -44,7 +45,7 @@ def main() -> None:
     cfg = config_or_exit(sys.argv[1:], launch)
     t, ckpt = cfg["training"], cfg["checkpoint"]
     log = print if launch.rank == 0 else (lambda *a, **k: None)
-    device = init_distributed(launch)
+    device = init_distributed(launch, cfg["comm"]["init_timeout_seconds"])
     torch.set_float32_matmul_precision(t["float32_matmul_precision"])  # TF32 on a GPU below "highest"
     try:
         log(report.run_line(cfg, launch.world_size, device))
@@ -68,7 +69,7 @@ def main() -> None:
                          dp_mesh, launch.rank, log, generator=generator)
         exit_if_signalled(run, device, launch.rank, f"after step {t['steps']}")  # a signal in the last save
         if ckpt["last_save_in_hf"]:
-            checkpoint.save_hf(Path(ckpt["folder"]), t["steps"], model, cfg["model"], log)
+            checkpoint.save_hf(cfg, t["steps"], model, log)
             exit_if_signalled(run, device, launch.rank, "after the HF export")
         held_out_loss = evaluate(model, held_out, cfg, device, dp_mesh, run.signals)
         exit_if_signalled(run, device, launch.rank, "in the held-out loss")
@@ -122,7 +123,7 @@ def exit_with(line: str, rank: int, code: int = 1) -> None:
     sys.exit(code)
 
 
-def init_distributed(launch: Launch) -> torch.device:
+def init_distributed(launch: Launch, timeout_s: int) -> torch.device:
     """gloo + CPU, or nccl + this rank's GPU; no process group for one process."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", launch.local_rank) if cuda else torch.device("cpu")
@@ -130,7 +131,7 @@ def init_distributed(launch: Launch) -> torch.device:
         torch.cuda.set_device(device)
     if launch.world_size > 1:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
-                                **store_for_this_restart(launch))
+                                timeout=datetime.timedelta(seconds=timeout_s), **store_for_this_restart(launch))
     return device
 
 
@@ -257,6 +258,7 @@ def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, devic
             run.time_to_first_step = time.perf_counter() - t_start
             if comp["enable"] and comp["fail_on_recompile"]:
                 torch.compiler.set_stance("fail_on_recompile")  # every block is compiled by now
+            set_comm_timeout(cfg["comm"]["train_timeout_seconds"])  # as torchtitan, after step 1
         log(f"step {step:3d} | loss {loss:.6f} | grad norm {grad_norm:.6f} | "
             f"{report.tokens_per_step(cfg) / run.step_times[-1]:7.0f} tokens/s | {time.perf_counter() - t_start:6.1f} s")
         signum, saved = agreed_signal(run.signals, device), None

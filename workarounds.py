@@ -5,6 +5,7 @@ test_readme.py; RESULTS.md, "Library workarounds by torch version").
 
 import os
 import warnings
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -102,3 +103,13 @@ def several_nodes_restart_problem(launch) -> str | None:
         return ("torchrun --max-restarts on several nodes needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node: "
                 "a restarted group would meet the failed one's keys in the agents' shared store and hang")
     return None
+
+
+def set_comm_timeout(seconds: int) -> None:
+    """Workaround, torch 2.15.0: the timeout of every process group this rank is in. torch lists them
+    only privately, and DeviceMesh's subgroups keep the backend's default (gloo 30 min), not
+    init_process_group's (measured). torch 2.15.0 has `dist.set_timeout` (pytorch/pytorch#187387);
+    2.10.0 the deprecated `_set_pg_timeout`."""
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    for group in list(dist.distributed_c10d._world.pg_map):
+        set_timeout(timedelta(seconds=seconds), group)
