@@ -23,8 +23,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import parallelize
 import train
-from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, assert_every_gradient_matches, free_port, run_2d,
-                      join_gloo, run_one, run_tp, run_training, small_config, spawn)
+from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, assert_every_gradient_matches, run_2d,
+                      join_gloo, run_one, run_tp, small_config, spawn)
 from config import validate
 from family_plan import FUSED_PARTS, STRIDED_LINEAR, FusedColwiseParallel, refuse_unplanned_parameters
 from harness import build_family
@@ -91,27 +91,6 @@ def assert_stock_layer_behaviour(r: dict) -> None:
             f"torch {torch.__version__} carries the Dynamo fix (pytorch/pytorch#172519), so the "
             f"stock layer should compile once; reasons: {r['recompile_reasons']}"
         )
-
-
-# 4. --------------------------------------------------------------------------
-
-
-def test_positional_and_stock_layers_give_identical_outputs_and_gradients():
-    cfg = small_config(**{"model.num_hidden_layers": 2})
-    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
-    results = []
-    for layer in ("positional", "stock"):
-        torch.manual_seed(0)
-        model = build_model(cfg["model"], layer)
-        logits = forward_logits(model, x)
-        logits.float().pow(2).mean().backward()
-        results.append((logits, {n: p.grad for n, p in model.named_parameters()}))
-    (out_p, grads_p), (out_s, grads_s) = results
-    assert torch.equal(out_p, out_s)
-    assert grads_p.keys() == grads_s.keys()
-    for name in grads_p:
-        assert torch.equal(grads_p[name], grads_s[name]), name
-
 
 
 # The plan-only fix: attention's input gathered at input_layernorm's output ----
@@ -347,7 +326,7 @@ def test_2d_norm_output_plan_on_stock_layer_compiles_one_graph(tmp_root):
     assert r["losses"] == pytest.approx(run_2d(tmp_root)["losses"], abs=1e-5)
 
 
-# 5. --------------------------------------------------------------------------
+# 4. --------------------------------------------------------------------------
 
 
 def _normalized_forward(fn) -> str:

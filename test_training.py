@@ -1,7 +1,6 @@
 """The trainer's paths end to end: torchrun, two nodes, the benchmark, selective AC, FSDP
 alone, fail_on_recompile, bfloat16 by FSDP and by autocast, and one GPU where the host has one."""
 
-import math
 import os
 import re
 import subprocess
@@ -13,6 +12,7 @@ import pytest
 from conftest import (DP_SHARD, GLOBAL_BATCH, GPU_ENV, HERE, _losses, _torchrun, _torchrun_cmd,
                       again_if_a_rank_died_of_a_signal, assert_every_gradient_matches, free_port, run_2d, run_one,
                       run_ranks, run_tp)
+from harness import gradient_differences
 
 
 
@@ -128,15 +128,17 @@ def test_bfloat16_without_fsdp_autocasts_every_matmul_and_keeps_float32_weights(
 def test_bfloat16_policy_computes_in_bfloat16_and_reduces_in_the_reduce_dtype(tmp_root):
     """dp_shard 2 x tp 2 with bfloat16 params, float32 reduce: inside forward lm_head's weight
     is bfloat16 (FSDP's unsharded copy), and the gradients FSDP reduce-scatters are float32,
-    although backward computed them in bfloat16 (FSDP's default reduce dtype)."""
+    although backward computed them in bfloat16 (FSDP's default reduce dtype). Every step-1
+    gradient is within 3e-2 of the float32 run's, none within 1e-3 (4.3e-3 to 1.2e-2 measured)."""
     bf16 = run_2d(tmp_root, **{"training.mixed_precision_param": "bfloat16"})
     fp32 = run_2d(tmp_root)
     assert bf16["error"] is None, bf16["error"]
     assert (bf16["graphs"], bf16["recompiles"]) == (1, 0), bf16["recompile_reasons"]
+    differences = gradient_differences(bf16["grads"], fp32["grads"])
+    assert max(differences.values()) <= 3e-2 and min(differences.values()) > 1e-3, differences
+    assert bf16["losses"] == pytest.approx(fp32["losses"], abs=2e-3)
     assert bf16["forward_dtypes"] == ["torch.bfloat16"] and fp32["forward_dtypes"] == ["torch.float32"]
     assert bf16["reduce_scatter_dtypes"] == ["torch.float32"], bf16["reduce_scatter_dtypes"]
-    assert all(math.isfinite(v) for v in bf16["losses"]), bf16["losses"]
-    assert bf16["losses"] == pytest.approx(fp32["losses"], abs=0.05)
 
 
 # fail_on_recompile stops the run ---------------------------------------------------
