@@ -237,32 +237,63 @@ def test_too_many_processes_for_the_gpus_is_a_config_error(monkeypatch):
     assert "2 processes on this node (torchrun --nproc_per_node) but 1 GPU(s)" in str(e.value)
 
 
-@pytest.mark.parametrize("kv_heads", [16, 4])
-def test_peak_per_rank_counts_the_activations_backward_keeps(kv_heads):
-    """config.peak_per_rank's activation term, one process, AC off: every tensor autograd saves
-    in a forward and loss (parameters aside), plus the logits' gradient that backward makes while
-    the log-softmax is still held, within 2% (the estimate leaves out a few per-token scalars)."""
+def _saved_activation_bytes(rank: int, port: int, kv_heads: int, tp: int, out: str | None) -> None:
+    """Bytes of every tensor autograd saves in a forward and loss on this rank (its local shards;
+    parameters aside), plus the logits' gradient that backward makes while the log-softmax is held."""
+    import json
+    from pathlib import Path
+
     import torch
+    from torch.distributed.tensor import DTensor
 
-    from config import peak_per_rank
+    import parallelize
+    from harness import join_gloo
     from model import build_model, forward_logits
-    from train import cross_entropy
+    from train import cross_entropy, vocab_parallel
 
-    cfg = small_config(**{"model.num_key_value_heads": kv_heads, "parallelism.tp": 1, "parallelism.dp_shard": 1,
-                          "activation_checkpoint.mode": "none"})
+    cfg = small_config(**{"model.num_key_value_heads": kv_heads, "parallelism.tp": tp, "parallelism.dp_shard": 1,
+                          "activation_checkpoint.mode": "none", "compile.enable": False})
     model = build_model(cfg["model"])
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    if tp > 1:
+        join_gloo(rank, tp, port)
+        parallelize.parallelize(model, parallelize.build_parallel_dims(cfg, tp, "cpu"), cfg)
+    local = lambda tensor: tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # noqa: E731
+    weights = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 
     def count(tensor):
-        storage = tensor.untyped_storage()
+        storage = local(tensor).untyped_storage()
         if storage.data_ptr() not in weights:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     t = cfg["training"]
-    x = torch.randint(0, 256, (t["local_batch_size"], t["seq_len"]))
+    x = torch.randint(0, 256, (t["local_batch_size"], t["seq_len"]), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):
-        cross_entropy(forward_logits(model, x), x)
-    measured = sum(saved.values()) + 4 * x.numel() * cfg["model"]["vocab_size"]
+        logits = forward_logits(model, x)
+        with vocab_parallel(logits):
+            cross_entropy(logits, x)
+    measured = sum(saved.values()) + 4 * x.numel() * cfg["model"]["vocab_size"] // tp
+    if rank == 0 and out:
+        Path(out).write_text(json.dumps(measured))
+    return measured
+
+
+@pytest.mark.parametrize("kv_heads, tp", [(16, 1), (4, 1), (4, 2)])
+def test_peak_per_rank_counts_the_activations_backward_keeps(kv_heads, tp, tmp_path):
+    """config.peak_per_rank's activation term with AC off, on one process and on TP 2 (sequence
+    parallel, loss parallel): every tensor autograd saves in a forward and loss on a rank, within
+    2% (the estimate leaves out a few per-token scalars)."""
+    import json
+
+    from config import peak_per_rank
+    from conftest import spawn
+
+    cfg = small_config(**{"model.num_key_value_heads": kv_heads, "parallelism.tp": tp, "parallelism.dp_shard": 1,
+                          "activation_checkpoint.mode": "none"})
+    if tp == 1:
+        measured = _saved_activation_bytes(0, 0, kv_heads, tp, None)
+    else:
+        spawn(_saved_activation_bytes, lambda port: (port, kv_heads, tp, str(tmp_path / "saved.json")), tp, "saved")
+        measured = json.loads((tmp_path / "saved.json").read_text())
     assert abs(peak_per_rank(cfg)["activations"] / measured - 1) < 0.02, (peak_per_rank(cfg), measured)
