@@ -134,12 +134,15 @@ def apply_compile(model: LlamaForCausalLM, backend: str) -> None:
 
 
 def autocast(cfg: dict, device_type: str):
-    """bfloat16 matmuls where FSDP2's policy does not cast (one process, TP alone): `torch.autocast`
-    around the forward, as torchtitan's `maybe_enable_amp` does (which leaves TP alone in float32).
-    Weights, gradients and AdamW stay float32; train.cross_entropy computes the loss in float32."""
-    if cfg["training"]["mixed_precision_param"] == "float32" or cfg["parallelism"]["dp_shard"] > 1:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=torch.bfloat16)
+    """`torch.autocast` to bfloat16 around the forward where `bfloat16_by` says, as torchtitan's
+    `maybe_enable_amp` (which leaves TP alone in float32). Weights, gradients, AdamW, loss: float32."""
+    return torch.autocast(device_type, dtype=torch.bfloat16) if bfloat16_by(cfg) == "autocast" else contextlib.nullcontext()
+
+
+def bfloat16_by(cfg: dict) -> str | None:
+    """What computes in bfloat16: FSDP2's policy (dp_shard > 1), else autocast; None in float32."""
+    dtype, dp_shard = cfg["training"]["mixed_precision_param"], cfg["parallelism"]["dp_shard"]
+    return None if dtype == "float32" else "FSDP2" if dp_shard > 1 else "autocast"
 
 
 def apply_fsdp(model: LlamaForCausalLM, dp_mesh: DeviceMesh, param_dtype: str, reduce_dtype: str) -> None:

@@ -10,6 +10,8 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.tools.utils import get_peak_flops
 
+from parallelize import bfloat16_by
+
 
 def mesh_name(cfg: dict) -> str:
     return f"dp_shard {cfg['parallelism']['dp_shard']} × tp {cfg['parallelism']['tp']}"
@@ -22,8 +24,7 @@ def tokens_per_step(cfg: dict) -> int:  # the global batch: every data-parallel 
 
 def run_line(cfg: dict, world_size: int, device: torch.device) -> str:
     p, comp, t = cfg["parallelism"], cfg["compile"], cfg["training"]
-    compute = t["mixed_precision_param"] + ("" if t["mixed_precision_param"] == "float32" else
-                                            " by FSDP2" if p["dp_shard"] > 1 else " by autocast")
+    compute = t["mixed_precision_param"] + (f" by {by}" if (by := bfloat16_by(cfg)) else "")
     return (f"torch {torch.__version__} | {world_size} rank(s) on {device.type} | mesh {mesh_name(cfg)} | "
             f"layer={p['decoder_layer']} | gather={p['attention_gather']} | AC={cfg['activation_checkpoint']['mode']} | "
             f"compile={'per-block ' + comp['backend'] if comp['enable'] else 'off'} | "
