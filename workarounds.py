@@ -106,10 +106,10 @@ def several_nodes_restart_problem(launch) -> str | None:
 
 
 def set_comm_timeout(seconds: int) -> None:
-    """Workaround, torch 2.15.0: the timeout of every process group this rank is in. torch lists them
-    only privately, and DeviceMesh's subgroups keep the backend's default (gloo 30 min), not
-    init_process_group's (measured). torch 2.15.0 has `dist.set_timeout` (pytorch/pytorch#187387);
-    2.10.0 the deprecated `_set_pg_timeout`."""
+    """Workaround, torch 2.10.0 and 2.15.0 (measured on both): the timeout of every process group this
+    rank is in. torch lists them only privately, and DeviceMesh's subgroups keep the backend's default
+    (gloo 30 min), not init_process_group's. torch 2.15.0 has `dist.set_timeout` (pytorch/pytorch#187387);
+    2.10.0 only `_set_pg_timeout`, which 2.15.0 deprecates."""
     set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     for group in list(dist.distributed_c10d._world.pg_map):
         set_timeout(timedelta(seconds=seconds), group)
