@@ -237,9 +237,11 @@ def test_too_many_processes_for_the_gpus_is_a_config_error(monkeypatch):
     assert "2 processes on this node (torchrun --nproc_per_node) but 1 GPU(s)" in str(e.value)
 
 
-def _saved_activation_bytes(rank: int, port: int, kv_heads: int, tp: int, out: str | None) -> None:
-    """Bytes of every tensor autograd saves in a forward and loss on this rank (its local shards;
-    parameters aside), plus the logits' gradient that backward makes while the log-softmax is held."""
+def _saved_activation_bytes(rank: int, port: int, kv_heads: int, tp: int, out: str | None) -> dict:
+    """Bytes autograd saves in a forward and loss on this rank (its local shards; parameters aside),
+    by AC mode: "none" keeps every block's; "full" keeps each block's input and, while backward
+    recomputes it, the largest block's. Both add what is saved outside the blocks and the logits'
+    gradient that backward makes while the log-softmax is held."""
     import json
     from pathlib import Path
 
@@ -259,21 +261,32 @@ def _saved_activation_bytes(rank: int, port: int, kv_heads: int, tp: int, out: s
         parallelize.parallelize(model, parallelize.build_parallel_dims(cfg, tp, "cpu"), cfg)
     local = lambda tensor: tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # noqa: E731
     weights = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
+    saved, inputs, block = {}, {}, [None]  # {storage: (block index or None, bytes)}, {block: its input's bytes}
 
     def count(tensor):
         storage = local(tensor).untyped_storage()
         if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
+            saved.setdefault(storage.data_ptr(), (block[0], storage.nbytes()))
         return tensor
 
+    def enter(i):
+        def hook(_module, args):
+            block[0] = i
+            inputs.setdefault(i, local(args[0]).nbytes)  # what full AC keeps of the block
+        return hook
+
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(enter(i))
+        layer.register_forward_hook(lambda *_: block.__setitem__(0, None))
     t = cfg["training"]
     x = torch.randint(0, 256, (t["local_batch_size"], t["seq_len"]), generator=torch.Generator().manual_seed(0))
     with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):
         logits = forward_logits(model, x)
         with vocab_parallel(logits):
             cross_entropy(logits, x)
-    measured = sum(saved.values()) + 4 * x.numel() * cfg["model"]["vocab_size"] // tp
+    per_block = [sum(n for b, n in saved.values() if b == i) for i in inputs]
+    outside = sum(n for b, n in saved.values() if b is None) + 4 * x.numel() * cfg["model"]["vocab_size"] // tp
+    measured = {"none": outside + sum(per_block), "full": outside + sum(inputs.values()) + max(per_block)}
     if rank == 0 and out:
         Path(out).write_text(json.dumps(measured))
     return measured
@@ -281,19 +294,20 @@ def _saved_activation_bytes(rank: int, port: int, kv_heads: int, tp: int, out: s
 
 @pytest.mark.parametrize("kv_heads, tp", [(16, 1), (4, 1), (4, 2)])
 def test_peak_per_rank_counts_the_activations_backward_keeps(kv_heads, tp, tmp_path):
-    """config.peak_per_rank's activation term with AC off, on one process and on TP 2 (sequence
-    parallel, loss parallel): every tensor autograd saves in a forward and loss on a rank, within
-    2% (the estimate leaves out a few per-token scalars)."""
+    """config.peak_per_rank's activation term with AC off and full, on one process and on TP 2
+    (sequence parallel, loss parallel): the tensors autograd saves in a forward and loss on a rank,
+    within 2% (the estimate leaves out a few per-token scalars)."""
     import json
 
     from config import peak_per_rank
     from conftest import spawn
 
-    cfg = small_config(**{"model.num_key_value_heads": kv_heads, "parallelism.tp": tp, "parallelism.dp_shard": 1,
-                          "activation_checkpoint.mode": "none"})
     if tp == 1:
         measured = _saved_activation_bytes(0, 0, kv_heads, tp, None)
     else:
         spawn(_saved_activation_bytes, lambda port: (port, kv_heads, tp, str(tmp_path / "saved.json")), tp, "saved")
         measured = json.loads((tmp_path / "saved.json").read_text())
-    assert abs(peak_per_rank(cfg)["activations"] / measured - 1) < 0.02, (peak_per_rank(cfg), measured)
+    for mode in ("none", "full"):
+        cfg = small_config(**{"model.num_key_value_heads": kv_heads, "parallelism.tp": tp, "parallelism.dp_shard": 1,
+                              "activation_checkpoint.mode": mode})
+        assert abs(peak_per_rank(cfg)["activations"] / measured[mode] - 1) < 0.02, (mode, peak_per_rank(cfg), measured)
