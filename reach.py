@@ -1,7 +1,8 @@
 """Recipe B's reach: every dense HF decoder family under TP 2 + SP + compile + full AC.
 
-    python reach.py                        # the table in RESULTS.md, for the installed torch
+    python reach.py                        # measure every family on the installed torch, into reach.csv
     python reach.py --families gemma3_text,olmo2
+    python reach.py --table                # RESULTS.md's table, from reach.csv
     python reach.py --windows-only         # the sliding-window rows alone
     python reach.py --plans TREE           # each row's plan digest, with TREE's project files
 
@@ -19,6 +20,7 @@ import argparse
 import tempfile
 import time
 import warnings
+from pathlib import Path
 
 # The families named in the survey's brief, then any other dense decoder-only family found; two
 # variants of a family's config ("+", harness.build_family): Phi-3-mini's MHA, stablelm's qk_layernorm.
@@ -28,22 +30,17 @@ FAMILIES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "gemma
             "exaone4", "hunyuan_v1_dense", "apertus")
 # Why, for results the error line does not explain (diagnosed by reading the family's code).
 CAUSES = {
-    "cohere2": "two kinds of block: only its sliding-window layers apply RoPE",
-    "smollm3": "two kinds of block: every 4th layer has no RoPE (NoPE)",
-    "olmo2": "post-norm: attention's input gathered by keyword, which recompiles per block on torch 2.10.0",
-    "olmo3": "post-norm: attention's input gathered by keyword, which recompiles per block on torch 2.10.0",
-    "exaone4": "post-norm, as olmo2; 2 graphs: its sliding and full attention layers",
-    "glm": "a fused [gate; up]: _StridedShard rows; before torch 2.12 Shard(0) rows and an all-to-all",
-    "glm4": "a fused [gate; up]: _StridedShard rows; before torch 2.12 Shard(0) rows and an all-to-all",
-    "phi3+mha": "Phi-3-mini's layout: fused [q; k; v] and [gate; up] as glm's, each rank's head count",
-    "apertus": "its MLP's xIELU activation has parameters, fed the column-sharded features",
-    "cohere_compass_text": "the builder's limit: its default config has no RoPE parameters for its layer type, "
-                           "so the model does not build at any size",
-    "gemma3n_text": "the builder's limit: its KV-sharing layers do not fit 4 blocks",
-    "gemma4_unified_text": "Dynamo refuses its cross-layer KV sharing (a dict written inside the checkpointed "
-                           "attention) under AC + compile, with either plan; the plan cannot see it",
-    "starcoder2": "on 2.10.0 step 1's gradient norm is equal to 8.9e-6 and step 3's off by 3.3e-4 in eager "
-                  "TP too: rounding that AdamW's first updates amplify, not a missing reduction",
+    "cohere2": "two kinds of block: RoPE in its sliding-window layers only",
+    "smollm3": "two kinds of block: every 4th has no RoPE",
+    "olmo2": "post-norm: attention's input gathered by keyword, a recompile per block on torch 2.10.0",
+    "olmo3": "post-norm, as olmo2",
+    "exaone4": "post-norm, as olmo2; sliding and full layers",
+    "glm": "a fused [gate; up]: _StridedShard rows; before torch 2.12 an all-to-all",
+    "glm4": "as glm",
+    "phi3+mha": "Phi-3-mini's layout: fused [q; k; v] and [gate; up]",
+    "apertus": "its MLP's xIELU activation has parameters",
+    "cohere_compass_text": "its default config has no RoPE parameters for its layer type",
+    "gemma3n_text": "its KV-sharing layers do not fit 4 blocks",
 }
 WINDOWS = (48, 16)  # seq_len / TP < 48 < seq_len; 16 < seq_len / TP
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -258,59 +255,104 @@ def verdict(cells: dict) -> str:
     return "correct" if (cells["graphs"], cells["recompiles"]) == (1, 0) else f"correct, {cells['graphs']} graphs"
 
 
-def markdown_table(results: dict[str, list[dict]]) -> str:
-    """One row per family, one group of columns per torch (results: {torch version: rows})."""
-    versions = list(results)
-    head = "| family | " + " | ".join(f"torch {v}: recipe B graphs, recompiles | max loss diff | max grad-norm "
-                                        f"rel. diff | max step-1 parameter gradient rel. diff | kwargs plan graphs"
-                                        for v in versions) + " | result |"
-    lines = [head, "|---|" + "---|---|---|---|---|" * len(versions) + "---|"]
+VERDICTS = str(Path(__file__).with_name("reach.csv"))  # committed: a row per torch, family and window
+COLUMNS = ("torch", "family", "window", "verdict", "graphs", "recompiles", "loss_diff", "grad_norm_rel_diff",
+           "param_grad_rel_diff", "kwargs_plan_graphs", "error")
+
+
+def verdict_row(version: str, row: dict) -> dict:
+    """One measured row as the verdict file's columns."""
+    cells = summarize(row)
+    number = lambda x: f"{x:.1e}" if isinstance(x, float) else str(x)  # noqa: E731
+    return dict(zip(COLUMNS, (version, row["family"], str(row["window"] or ""), verdict(cells), cells["graphs"],
+                              cells["recompiles"], number(cells["loss"]), number(cells["grad"]), number(cells["param"]),
+                              cells["kwargs"], cells["error"] or "")))
+
+
+def read_verdicts(path: str = VERDICTS) -> list[dict]:
+    import csv
+    import os
+
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_verdicts(rows: list[dict], path: str = VERDICTS) -> None:
+    """Replace these rows' (torch, family, window) in the file and keep every other row."""
+    import csv
+
+    key = lambda r: (r["torch"], r["family"], str(r["window"]))  # noqa: E731
+    merged = {key(r): r for r in read_verdicts(path)}
+    merged.update({key(r): {c: str(r[c]) for c in COLUMNS} for r in rows})
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(merged.values())
+
+
+def counts(rows: list[dict], version: str) -> dict[str, int]:
+    """README's figures for one torch: families (config variants "+" left out), correct ones, those
+    also correct at both windows, refused ones, and the rest (failing, or not run)."""
     by_family = {}
-    for version in versions:
-        for row in results[version]:
-            label = row["family"] + (f", window {row['window']}" if row.get("window") else "")
-            by_family.setdefault(label, {})[version] = summarize(row)
-    for family, per_torch in by_family.items():
-        cells, results_text = [], []
+    for r in rows:
+        if r["torch"] == version and "+" not in r["family"]:
+            by_family.setdefault(r["family"], {})[r["window"]] = r["verdict"]
+    correct = [f for f, v in by_family.items() if v[""].startswith("correct")]
+    return {"families": len(by_family), "correct": len(correct),
+            "both windows": sum(all(by_family[f].get(w, "").startswith("correct") for w in map(str, WINDOWS))
+                                for f in correct),
+            "refused": sum(v[""] == "refused" for v in by_family.values()),
+            "other": sum(not v[""].startswith(("correct", "refused")) for v in by_family.values())}
+
+
+def verdict_table(rows: list[dict]) -> str:
+    """RESULTS.md's table: one row per family, one verdict per torch (its window rows folded in,
+    a refusal's or failure's line cut short; the whole line and every figure are in the file)."""
+    versions = sorted({r["torch"] for r in rows}, key=lambda v: tuple(map(int, v.split("."))), reverse=True)
+
+    def short(error: str) -> str:  # a refusal's line up to its reason; any line cut at 80 characters
+        if error.startswith(("PlanError: ", "SizeError: ")):
+            error = error.partition(": ")[2].split(": ")[0]
+        return error if len(error) <= 80 else error[:80].rsplit(" ", 1)[0] + " ..."
+
+    cells = {}
+    for r in rows:
+        text = r["verdict"] + (f": `{short(r['error'])}`" if r["error"] else "")
+        cells.setdefault(r["family"], {}).setdefault(r["torch"], {})[r["window"]] = text
+    lines = ["| family | " + " | ".join(f"torch {v}" for v in versions) + " |", "|---|" + "---|" * len(versions)]
+    for family, per_torch in cells.items():
+        shown = []
         for version in versions:
-            c = per_torch.get(version)
-            if c is None:
-                cells.append("- | - | - | - | -")
-                continue
-            number = lambda x: f"{x:.1e}" if isinstance(x, float) else str(x)  # noqa: E731
-            cells.append(f"{c['graphs']}, {c['recompiles']} | {number(c['loss'])} | {number(c['grad'])} | "
-                         f"{number(c['param'])} | {c['kwargs']}")
-            results_text.append(verdict(c) + (f": `{c['error']}`" if c["error"] else ""))
-        if (cause := CAUSES.get(family.split(",")[0])) and "," not in family:
-            results_text = [f"{text} ({cause})" for text in results_text]
-        shown = results_text[0] if len(set(results_text)) == 1 else "; ".join(
-            f"{v}: {t}" for v, t in zip(versions, results_text))
-        lines.append(f"| {family} | " + " | ".join(cells) + f" | {shown} |")
+            by_window = per_torch.get(version, {})
+            text = by_window.get("", "-")  # not measured on this torch
+            windows = [by_window[w] for w in map(str, WINDOWS) if w in by_window]
+            if windows and set(windows) == {text} and text.startswith("correct"):
+                text += ", both windows"
+            elif windows and {w.split(":")[0] for w in windows} != {text.split(":")[0]}:  # another verdict
+                text += ("; windows: " + windows[0] if len(set(windows)) == 1 else
+                         "; " + ", ".join(f"window {w}: {by_window[w]}" for w in map(str, WINDOWS) if w in by_window))
+            shown.append("same" if shown and text == shown[0] else text)
+        cause = CAUSES.get(family)
+        lines.append(f"| {family}{f' ({cause})' if cause else ''} | " + " | ".join(shown) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
-    import json
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", help="comma-separated model_types (default: every dense family found)")
-    parser.add_argument("--json", help="write the rows for this torch to this file")
-    parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of earlier --json files")
+    parser.add_argument("--table", action="store_true", help=f"print RESULTS.md's table from {VERDICTS}, run nothing")
     parser.add_argument("--windows-only", action="store_true", help="only the sliding-window rows")
     parser.add_argument("--plans", metavar="TREE", help="print each row's plan digest, with the project's files "
                         "from TREE (a checkout of any commit); diff two commits' to see which rows changed")
     args = parser.parse_args()
+    if args.table:
+        return print(verdict_table(read_verdicts()))
     if args.plans:
         import sys
 
         sys.path.insert(0, args.plans)
-    if args.table:
-        results = {}
-        for path in args.table:
-            with open(path) as f:
-                data = json.load(f)
-            results.setdefault(data["torch"], []).extend(data["rows"])
-        return print(markdown_table(results))
 
     import torch
 
@@ -320,16 +362,12 @@ def main() -> None:
             for window in ((None,) * (not args.windows_only) + (WINDOWS if has_sliding_window(family) else ()))]
     if args.plans:
         return print("\n".join(f"{family} (window {window}): {plan_digest(family, window)}" for family, window in runs))
-    rows = []
     for family, window in runs:
         start = time.perf_counter()
-        rows.append(measure(family, window))
-        cells = summarize(rows[-1])
-        print(f"{family} (window {window}): {verdict(cells)} {cells} ({time.perf_counter() - start:.0f} s)", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"torch": torch.__version__.split("+")[0], "rows": rows}, f)
-    print(markdown_table({torch.__version__.split("+")[0]: rows}))
+        row = verdict_row(torch.__version__.split("+")[0], measure(family, window))
+        write_verdicts([row])  # row by row: an interrupted run keeps what it measured
+        print(f"{family} (window {window}): {row} ({time.perf_counter() - start:.0f} s)", flush=True)
+    print(verdict_table(read_verdicts()))
 
 
 if __name__ == "__main__":

@@ -295,6 +295,20 @@ def test_a_block_parameter_left_out_of_the_plan_is_refused():
         refuse_unplanned_parameters(block, "model.layers.0")
 
 
+def test_readmes_reach_counts_and_results_table_are_reach_csvs():
+    """README's counts of recipe B's reach (the pinned torch's rows) and RESULTS.md's table are
+    what reach.py wrote to reach.csv."""
+    import reach
+
+    rows = reach.read_verdicts()
+    pinned = re.search(r"^torch==([\d.]+)", (HERE / "requirements.txt").read_text(), re.M).group(1)
+    c = reach.counts(rows, pinned)
+    assert (f"Of {c['families']} dense HF families, {c['correct']} match one process per parameter ({c['both windows']} "
+            f"with both sliding windows), {c['refused']} are refused in one line, {c['other']} fail or do not build "
+            f"small") in " ".join((HERE / "README.md").read_text().split()), c
+    assert reach.verdict_table(rows) in (HERE / "RESULTS.md").read_text(), "RESULTS.md's reach table: `python reach.py --table`"
+
+
 def test_survey_table_in_results_matches_installed_transformers():
     survey = survey_attention_calls()
     assert {"llama", "qwen2", "qwen3", "mistral"} <= set(survey["keyword"]), "these call self_attn by keyword"
