@@ -32,19 +32,23 @@ def test_torchrun_trains_with_one_graph_and_falling_loss():
 def test_two_nodes_keep_every_tp_group_inside_one_node():
     """Two torchrun agents on this machine act as two nodes of 2 ranks (c10d rendezvous);
     with tp 2 each TP group must be the two ranks of one node."""
-    launcher = ("--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=two-nodes")
-    cmd = _torchrun_cmd("--parallelism.tp", "2", "--parallelism.dp_shard", "-1", "--training.steps", "4",
-                        "--model.num_hidden_layers", "2", "--training.seq_len", "64",
-                        "--training.local_batch_size", "2", "--metrics.measure_cpu_peak", "false", launcher=launcher)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_LOGS="recompiles")
-    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for _ in range(2)]
-    outputs = [node.communicate(timeout=600) for node in nodes]
-    for node, (out, err) in zip(nodes, outputs):
-        assert node.returncode == 0, err[-4000:]
-    out = "".join(o for o, _ in outputs)
-    assert "Recompiling function" not in out + "".join(e for _, e in outputs)
+    def two_agents() -> subprocess.CompletedProcess:
+        launcher = ("--nnodes=2", "--nproc_per_node=2", "--rdzv-backend=c10d",
+                    f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=two-nodes")
+        cmd = _torchrun_cmd("--parallelism.tp", "2", "--parallelism.dp_shard", "-1", "--training.steps", "4",
+                            "--model.num_hidden_layers", "2", "--training.seq_len", "64",
+                            "--training.local_batch_size", "2", "--metrics.measure_cpu_peak", "false", launcher=launcher)
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_LOGS="recompiles")
+        nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                 for _ in range(2)]
+        outputs = [node.communicate(timeout=600) for node in nodes]
+        return subprocess.CompletedProcess(cmd, next((n.returncode for n in nodes if n.returncode), 0),
+                                           "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
+
+    proc = again_if_a_rank_died_of_a_signal(two_agents)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    assert "Recompiling function" not in out + proc.stderr
     [groups_line] = [line for line in out.splitlines() if line.startswith("TP groups: ")]
     groups = {}
     for group in groups_line[len("TP groups: "):].split(" | "):
@@ -166,7 +170,8 @@ def test_fail_on_recompile_stops_the_run_with_dynamos_reason(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            str(script), "--training.steps", "4", "--model.num_hidden_layers", "2", "--training.seq_len", "64",
            "--training.local_batch_size", "2", "--data.max_bytes", "1000000", "--metrics.measure_cpu_peak", "false"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = again_if_a_rank_died_of_a_signal(lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                                                                   env=dict(os.environ, OMP_NUM_THREADS="1")))
     assert proc.returncode != 0
     assert "step   1 | loss" in proc.stdout and "step   2" not in proc.stdout, proc.stdout
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: step 2 recompiled")]
