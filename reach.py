@@ -232,7 +232,6 @@ def summarize(row: dict) -> dict:
     if not error and len(b["losses"]) == len(single["losses"]):
         cells["loss"] = max(abs(x - y) for x, y in zip(b["losses"], single["losses"]))
         cells["grad"] = max(abs(x - y) / y for x, y in zip(b["grad_norms"], single["grad_norms"]))
-        cells["grad_step_1"] = abs(b["grad_norms"][0] - single["grad_norms"][0]) / single["grad_norms"][0]
     cells["error"] = error
     return cells
 
