@@ -235,16 +235,16 @@ def require_same_run(path: Path, cfg: dict, log, every_key: bool = True) -> None
 def save_hf(cfg: dict, step: int, model, log) -> None:
     """Rank 0 writes the full weights as a folder that stock `LlamaForCausalLM.from_pretrained`
     loads: config.json + model.safetensors. Every rank takes part in gathering them."""
-    start, folder = time.perf_counter(), Path(cfg["checkpoint"]["folder"])
+    start, path = time.perf_counter(), Path(cfg["checkpoint"]["folder"]) / f"step-{step}-hf"
     set_comm_timeout(cfg["comm"]["init_timeout_seconds"])  # the others wait while rank 0 writes
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if model.config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # as HF saves a tied model (rank 0 holds the full weights)
-    path = folder / f"step-{step}-hf"
     failure = decided_on_rank0(lambda: write_hf(path, weights, cfg["model"]))
     if failure:
         raise CheckpointError(f"step {step}: writing the HF weights to {path} failed: {failure}; "
-                              f"{folder / f'step-{step}'} is complete")
+                              f"{path.with_name(f'step-{step}')} is complete")
+    set_comm_timeout(cfg["comm"]["train_timeout_seconds"])
     log(f"checkpoint: wrote the HF weights of step {step} to {path} in {time.perf_counter() - start:.1f} s")
 
 

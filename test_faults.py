@@ -316,6 +316,9 @@ def test_sigterm_in_the_final_hf_export_finishes_the_write_and_stops(tmp_path):
 
 SLOW_RANK_0_WRITES = """
 import time
+
+import torch
+
 import checkpoint, train
 
 write_marker, write_hf = checkpoint.write_marker, checkpoint.write_hf
@@ -328,14 +331,22 @@ def slow(write):
     return written_slowly
 
 
+def evaluate(*args):  # after the HF export: its wait is over, the training timeout back
+    world = torch.distributed.distributed_c10d._get_default_group()
+    print(f"held-out loss under a {world._get_backend(torch.device('cpu')).options._timeout.seconds} s timeout")
+    return train_evaluate(*args)
+
+
 checkpoint.write_marker, checkpoint.write_hf = slow(write_marker), slow(write_hf)
+train_evaluate, train.evaluate = train.evaluate, evaluate
 train.main()
 """
 
 
 def test_slow_rank_0_writes_outlast_the_training_timeout(tmp_path):
     """comm.train_timeout_seconds (3 s here) bounds every collective after step 1, but not the wait
-    for rank 0's marker, prune and HF export (8 s each): those run under init_timeout_seconds."""
+    for rank 0's marker, prune and HF export (8 s each): those run under init_timeout_seconds, and
+    the held-out loss after the export under the training timeout again."""
     folder, script = tmp_path / "ckpt", tmp_path / "slow_writes.py"
     script.write_text(SLOW_RANK_0_WRITES)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
@@ -348,3 +359,4 @@ def test_slow_rank_0_writes_outlast_the_training_timeout(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "checkpoint: saved step 4" in out and "checkpoint: wrote the HF weights of step 4" in out, out[-3000:]
     assert "summary:" in out
+    assert out.count("held-out loss under a 3 s timeout") == 2, out[-3000:]
