@@ -307,9 +307,9 @@ def peak_per_rank(cfg: dict) -> dict[str, float]:
 
 
 def count_parameters(model_cfg: dict) -> tuple[int, int]:
-    """LlamaForCausalLM's parameter count for [model], and its largest FSDP group's (a block or
-    lm_head), built on the meta device (no memory)."""
+    """LlamaForCausalLM's parameter count for [model], and its largest FSDP group's (a block, or
+    the final norm with lm_head), built on the meta device (no memory)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config(model_cfg))
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
-    return count(model), max(count(model.model.layers[0]), count(model.lm_head))
+    return count(model), max(count(model.model.layers[0]), count(model.model.norm) + count(model.lm_head))

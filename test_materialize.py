@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 import train
 from conftest import DP_SHARD, TP, join_gloo, small_config, spawn
-from config import validate
+from config import count_parameters, validate
 from harness import hf_name
 from model import build_model
 
@@ -137,23 +137,26 @@ def _backward_gathers_main(rank: int, port: int, out: str) -> None:
     from model import forward_logits
 
     join_gloo(rank, DP_SHARD, port)
-    cfg = small_config(**{"parallelism.dp_shard": DP_SHARD, "compile.enable": False})
+    # A vocabulary of 4096 makes [norm, lm_head] the largest FSDP group; a block is the next.
+    cfg = small_config(**{"parallelism.dp_shard": DP_SHARD, "compile.enable": False, "model.vocab_size": 4096})
     validate(cfg, DP_SHARD)
     model, *_ = train.build_training(cfg, torch.device("cpu"), parallelize.build_parallel_dims(cfg, DP_SHARD, "cpu"))
     x = torch.randint(0, 256, (1, cfg["training"]["seq_len"]))
-    loss = train.cross_entropy(forward_logits(model, x), x)
-    real_unshard, gathered = FSDPParamGroup.unshard, []
+    real_unshard, gathered = FSDPParamGroup.unshard, {"forward": [], "backward": []}
 
     def unshard(group, async_op=False):
         pending = group._all_gather_result is not None
         real_unshard(group, async_op)
         if not pending and group._all_gather_result is not None:  # this call all-gathered
-            gathered.append(group._module_fqn)
-    FSDPParamGroup.unshard = unshard
+            gathered[phase].append((group._module_fqn, sum(p.sharded_param.numel() for p in group.fsdp_params)))
+    FSDPParamGroup.unshard, phase = unshard, "forward"
+    loss = train.cross_entropy(forward_logits(model, x), x)
+    phase = "backward"
     loss.backward()
     if rank == 0:
         Path(out).write_text(json.dumps(dict(gathered=gathered, blocks=[f"model.layers.{i}" for i in
-                                                                        range(len(model.model.layers))])))
+                                                                        range(len(model.model.layers))],
+                                             model=cfg["model"])))
     dist.destroy_process_group()
 
 
@@ -163,4 +166,6 @@ def test_fsdp_backward_gathers_each_block_but_not_the_embedding(tmp_path):
     m = json.loads(out.read_text())
     # The embedding's backward needs the token ids only: gathering its weight costs a full copy at the peak.
     # Final norm + lm_head are not resharded after forward: backward starts with them gathered.
-    assert sorted(m["gathered"]) == m["blocks"], m
+    assert sorted(name for name, _ in m["gathered"]["backward"]) == m["blocks"], m
+    # config.peak_per_rank's "FSDP groups" term: the largest group any gather makes whole.
+    assert max(n for phase in m["gathered"].values() for _, n in phase) == count_parameters(m["model"])[1], m
