@@ -311,9 +311,10 @@ def verdict_table(rows: list[dict]) -> str:
     a refusal's or failure's line cut short; the whole line and every figure are in the file)."""
     versions = sorted({r["torch"] for r in rows}, key=lambda v: tuple(map(int, v.split("."))), reverse=True)
 
-    def short(error: str) -> str:  # a refusal's line up to its reason; any line cut at 80 characters
+    def short(error: str) -> str:  # a refusal's line up to its reason; any line's first sentence, to 80 characters
         if error.startswith(("PlanError: ", "SizeError: ")):
             error = error.partition(": ")[2].split(": ")[0]
+        error = error.split(". ")[0]
         return error if len(error) <= 80 else error[:80].rsplit(" ", 1)[0] + " ..."
 
     cells = {}
