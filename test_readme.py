@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import _redistribute
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -108,6 +109,9 @@ def plain_trainer(code: str, arch: str, plan: str, cfg: dict, batches: list, tp_
     from torch._dynamo.utils import counters, guard_failures
 
     torch._dynamo.reset()
+    # torch 2.10.0 (not 2.15.0): a second model's vocabulary-parallel embedding reuses the first's cached
+    # redistribution and fails `assert self.mask_buffer.data is not None`. A user's trainer builds one model.
+    _redistribute._gen_transform_infos.cache_clear()
     counters.clear()
     guard_failures.clear()
     recipe = run_block(code)
@@ -176,21 +180,22 @@ def one_process(arch: str, cfg: dict, batches: list, grads_path: str) -> dict:
     return result
 
 
-def _rank_main(rank: int, port: int, case: tuple, cfg: dict, batches_path: str, out: str) -> None:
+def _rank_main(rank: int, port: int, cases: dict, cfg: dict, batches_path: str, tmp_root: str) -> None:
     join_gloo(rank, TP, port)
     tp_mesh = init_device_mesh("cpu", (TP,))
-    result = plain_trainer(*case, cfg, torch.load(batches_path), tp_mesh, f"{out}.grads.pt")
-    if rank == 0:
-        Path(out).write_text(json.dumps(result))
+    batches = torch.load(batches_path)
+    for i, case in enumerate(cases.values()):
+        out = Path(tmp_root) / f"readme-case-{i}.json"
+        result = plain_trainer(*case, cfg, batches, tp_mesh, f"{out}.grads.pt")
+        if rank == 0:
+            out.write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
 @functools.cache
 def run_recipes(tmp_root: str) -> dict:
-    """Every case on 2 gloo ranks of its own, as a user's trainer runs one model per process (on
-    torch 2.10.0 a second model's vocabulary-parallel embedding in one process fails: `assert
-    self.mask_buffer.data is not None`), with the project's trainer's batches (the data, not its
-    code); each result's "grads" names its step-1 gradients."""
+    """Every case on the same 2 gloo ranks, one after another (a spawn per case took CI 3 minutes more), with
+    the project's trainer's batches (the data, not its code); each result's "grads" names its step-1 gradients."""
     import train
 
     cfg = small_config()
@@ -199,10 +204,11 @@ def run_recipes(tmp_root: str) -> dict:
     it = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
     batches_path = Path(tmp_root) / "readme-batches.pt"
     torch.save([next(it) for _ in range(t["steps"])], batches_path)
+    found = cases()
+    spawn(_rank_main, lambda port: (port, found, cfg, str(batches_path), tmp_root), TP, f"README's recipes on {TP} ranks")
     results = {}
-    for i, (name, case) in enumerate(cases().items()):
+    for i, name in enumerate(found):
         out = Path(tmp_root) / f"readme-case-{i}.json"
-        spawn(_rank_main, lambda port: (port, case, cfg, str(batches_path), str(out)), TP, f"README's {name} on {TP} ranks")
         results[name] = {**json.loads(out.read_text()), "grads": f"{out}.grads.pt"}
     for arch in ("qwen3", "olmo2", TIED_GEMMA3):
         one = Path(tmp_root) / f"readme-{arch}-one.grads.pt"
