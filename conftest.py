@@ -8,7 +8,7 @@ tests marked `gpu` launch train.py with the host's GPUs (GPU_ENV); without a GPU
 Multi-rank cases run gloo ranks on CPU (torch.multiprocessing.spawn): 2 for TP, 4 for
 dp_shard 2 x tp 2, through the real builders: parallelize.build_parallel_dims, train.build_training
 (model.py + parallelize.py) and train.train_step. Compile counts are read from Dynamo itself
-(report.dynamo_compile_counts).
+(report.dynamo_compile_counts). A test file's RUNS_TOGETHER run one after another on the same ranks.
 """
 
 import faulthandler
@@ -33,8 +33,8 @@ import torch.multiprocessing as mp
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import parallelize
-from harness import (HERE, NUM_BLOCKS, STEPS, free_port, gradient_differences, join_gloo, run_training,  # noqa: F401 (the tests import them here)
-                     small_config)
+from harness import (HERE, NUM_BLOCKS, STEPS, forget_the_last_model, free_port, gradient_differences, join_gloo,  # noqa: F401 (the tests import them here)
+                     run_training, small_config)
 
 
 def pytest_configure(config):
@@ -75,8 +75,7 @@ HOOK_GUARD_BUG = torch_version() < (2, 11)
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")  # every launched rank prints its stacks on a fatal signal
 
 
-def _rank_main(rank: int, world_size: int, port: int, cfg: dict, out: str, arch: str, float64: bool,
-               window: int | None) -> None:
+def _rank_main(rank: int, world_size: int, port: int, runs: list, float64: bool) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     faulthandler.enable(all_threads=True)  # a rank killed by a signal prints every thread's Python stack
@@ -85,21 +84,47 @@ def _rank_main(rank: int, world_size: int, port: int, cfg: dict, out: str, arch:
         torch.set_default_dtype(torch.float64)
         parallelize.MixedPrecisionPolicy = lambda **_: MixedPrecisionPolicy()
     dist.init_process_group("gloo")
-    result = run_training(cfg, world_size, arch=arch, window=window, grads_path=out + ".grads.pt")
-    if rank == 0:
-        Path(out).write_text(json.dumps(result))
+    for cfg, out, arch, window in runs:
+        forget_the_last_model()
+        result = run_training(cfg, world_size, arch=arch, window=window, grads_path=out + ".grads.pt")
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
-@functools.cache
+_reports = {}  # run_ranks' cache: rank 0's report by (tmp_root, world_size, float64, arch, window, overrides)
+
+
 def run_ranks(tmp_root: str, world_size: int, arch: str = "llama", float64: bool = False, window: int | None = None,
               **overrides) -> dict:
-    """run_training on `world_size` gloo ranks with `small_config(**overrides)`, rank 0's report;
-    its "grads" names the file of every parameter's step-1 gradient."""
-    out = Path(tmp_root) / f"{arch}-{window}-{world_size}-{float64}-{abs(hash(tuple(sorted(overrides.items()))))}.json"
-    spawn(_rank_main, lambda port: (world_size, port, small_config(**overrides), str(out), arch, float64, window),
-          world_size, f"{arch} on {world_size} ranks {overrides}")
-    return {**json.loads(out.read_text()), "grads": str(out) + ".grads.pt"}
+    """run_training on `world_size` gloo ranks with `small_config(**overrides)`, rank 0's report
+    (cached); its "grads" names the file of every parameter's step-1 gradient."""
+    run_together(tmp_root, world_size, [(arch, window, overrides)], float64)
+    return _reports[(tmp_root, world_size, float64, arch, window, tuple(sorted(overrides.items())))]
+
+
+def run_together(tmp_root: str, world_size: int, runs: list[tuple[str, int | None, dict]], float64: bool = False) -> None:
+    """Each (arch, window, overrides) of `runs` that run_ranks has not run yet, one after another on
+    the same `world_size` gloo ranks (a spawn costs a 2-rank run ~10 s), into run_ranks' cache."""
+    todo = {(tmp_root, world_size, float64, arch, window, tuple(sorted(overrides.items()))): (arch, window, overrides)
+            for arch, window, overrides in runs}
+    todo = {key: run for key, run in todo.items() if key not in _reports}
+    if not todo:
+        return
+    outs = {key: str(Path(tmp_root) / f"run-{abs(hash(key))}.json") for key in todo}
+    jobs = [(small_config(**overrides), outs[key], arch, window) for key, (arch, window, overrides) in todo.items()]
+    spawn(_rank_main, lambda port: (world_size, port, jobs, float64), world_size,
+          f"{len(jobs)} run(s) on {world_size} ranks: {list(todo.values())}")
+    for key, out in outs.items():
+        _reports[key] = {**json.loads(Path(out).read_text()), "grads": out + ".grads.pt"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _a_files_runs_together(request, tmp_root):
+    """A test file's RUNS_TOGETHER, {world_size: [(arch, window, overrides), ...]}, before its first
+    test: run_together, so that its tests' run_ranks calls find them cached."""
+    for world_size, runs in getattr(request.module, "RUNS_TOGETHER", {}).items():
+        run_together(tmp_root, world_size, runs)
 
 
 ATTEMPTS = 3  # launches of one test's ranks when one dies of a signal (spawn, again_if_a_rank_died_of_a_signal)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch._inductor.config
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, _redistribute
 
 import parallelize
 import report
@@ -190,6 +190,17 @@ def gradient_differences(grads_path: str, reference_path: str) -> dict:
     grads, reference = torch.load(grads_path), torch.load(reference_path)
     assert grads.keys() == reference.keys(), sorted(grads.keys() ^ reference.keys())[:4]
     return {name: ((grads[name] - g).norm() / g.norm().clamp_min(1e-12)).item() for name, g in reference.items()}
+
+
+def forget_the_last_model() -> None:
+    """Before another model in this process: Dynamo's caches and counts, and DTensor's cached
+    redistributions (torch 2.10.0, not 2.15.0: a second model's vocabulary-parallel embedding
+    reuses the first's and fails `assert self.mask_buffer.data is not None`)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # guard_failures and the frame compile counts too
+    counters.clear()
+    _redistribute._gen_transform_infos.cache_clear()
 
 
 def free_port() -> int:

@@ -16,11 +16,19 @@ import torch
 
 import train
 from bench import titan_from_hf
-from conftest import GLOBAL_BATCH, HERE, assert_every_gradient_matches, run_2d, run_one, run_tp, small_config
+from conftest import (DP_SHARD, GLOBAL_BATCH, HERE, TP, assert_every_gradient_matches, run_2d, run_one, run_tp,
+                      small_config)
 from model import build_model, forward_logits
 
 NORM_OUTPUT_PLAN = {"parallelism.decoder_layer": "stock", "parallelism.attention_gather": "norm_output"}
 TITAN_STEPS = 10
+TITAN_SHAPES = {"model.num_hidden_layers": 6, "training.steps": TITAN_STEPS}
+EAGER = {"compile.enable": False}
+TIED = {"model.tie_word_embeddings": True}
+LOSS_PARALLEL_OFF = {"parallelism.loss_parallel": False}
+TWO_D = {"parallelism.dp_shard": DP_SHARD}
+RUNS_TOGETHER = {TP: [("llama", None, o) for o in (TITAN_SHAPES, EAGER, {}, GLOBAL_BATCH, NORM_OUTPUT_PLAN, LOSS_PARALLEL_OFF)],
+                 DP_SHARD * TP: [("llama", None, TWO_D), ("llama", None, {**TWO_D, **TIED})]}
 
 
 def default_config() -> dict:
@@ -78,11 +86,10 @@ def test_trainer_losses_equal_torchtitans_model_on_the_same_batches(tmp_root):
     """This trainer (TP 2, compiled, full AC, the default 6 layers) against torchtitan's
     Transformer with the converted initial weights, one eager process, the same batches,
     AdamW, schedule and clipping."""
-    overrides = {"model.num_hidden_layers": 6, "training.steps": TITAN_STEPS}
-    trainer = run_tp(tmp_root, **overrides)
+    trainer = run_tp(tmp_root, **TITAN_SHAPES)
     assert trainer["error"] is None, trainer["error"]
 
-    cfg = small_config(**overrides)
+    cfg = small_config(**TITAN_SHAPES)
     t = cfg["training"]
     torch.manual_seed(t["seed"])
     titan = titan_from_hf(build_model(cfg["model"]), t["seq_len"])
@@ -101,7 +108,7 @@ def test_trainer_losses_equal_torchtitans_model_on_the_same_batches(tmp_root):
 
 
 def test_tp_matches_single_process_and_compiled_matches_eager(tmp_root):
-    tp_eager = run_tp(tmp_root, **{"compile.enable": False})
+    tp_eager = run_tp(tmp_root, **EAGER)
     single_eager = run_one()
     tp_compiled = run_tp(tmp_root)
     assert single_eager["error"] is None and tp_eager["error"] is None
@@ -151,10 +158,6 @@ def test_summary_flops_per_token_are_torchtitans_for_the_debugmodel():
     assert report.flops_per_token(hf, cfg) == titan_flops == 38_555_136  # torchtitan's function on HF's model
 
 
-EAGER = {"compile.enable": False}
-TIED = {"model.tie_word_embeddings": True}
-
-
 def test_summary_flops_per_token_count_a_tied_lm_head():
     """torchtitan's function lists a tied weight once and subtracts it as the embedding, which
     dropped lm_head's matmul: about a fifth of Llama 3.2 1B's FLOPs. Tied or not, equal FLOPs."""
@@ -165,9 +168,6 @@ def test_summary_flops_per_token_count_a_tied_lm_head():
     untied_model, tied_model = build_model(cfg["model"]), build_model(tied["model"])
     assert tied_model.lm_head.weight is tied_model.model.embed_tokens.weight
     assert report.flops_per_token(tied_model, tied) == report.flops_per_token(untied_model, cfg) == 38_555_136
-
-
-LOSS_PARALLEL_OFF = {"parallelism.loss_parallel": False}
 
 
 def test_loss_parallel_keeps_logits_sharded_with_the_replicated_numbers(tmp_root):
@@ -196,7 +196,6 @@ def test_in_float64_tp_and_tied_2d_with_loss_parallel_equal_one_process(tmp_root
         assert r["losses"] == pytest.approx(single["losses"], abs=1e-6), name
         assert r["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-7), name
         assert_every_gradient_matches(r, single, rel=1e-7)
-
 
 
 def test_tied_embeddings_share_one_parameter_through_tp_and_fsdp_with_the_one_process_numbers(tmp_root):

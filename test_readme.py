@@ -24,13 +24,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import _redistribute
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, again_if_a_rank_died_of_a_signal,
                       assert_every_gradient_matches, free_port, join_gloo, run_tp, small_config, spawn)
-from harness import build_family, whole_gradients
+from harness import build_family, forget_the_last_model, whole_gradients
 from workarounds import FOREACH_SCALES_PARTIAL_GRADIENTS
 
 FOREACH = None if FOREACH_SCALES_PARTIAL_GRADIENTS else False  # clip_grad_norm_'s, as README's Limits say
@@ -108,12 +107,7 @@ def plain_trainer(code: str, arch: str, plan: str, cfg: dict, batches: list, tp_
     counts; every parameter's step-1 gradient (clipped, whole) saved to `grads_path`."""
     from torch._dynamo.utils import counters, guard_failures
 
-    torch._dynamo.reset()
-    # torch 2.10.0 (not 2.15.0): a second model's vocabulary-parallel embedding reuses the first's cached
-    # redistribution and fails `assert self.mask_buffer.data is not None`. A user's trainer builds one model.
-    _redistribute._gen_transform_infos.cache_clear()
-    counters.clear()
-    guard_failures.clear()
+    forget_the_last_model()
     recipe = run_block(code)
     t = cfg["training"]
     model = build(arch, cfg)

@@ -24,7 +24,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 import parallelize
 import train
 from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, assert_every_gradient_matches, run_2d,
-                      join_gloo, run_one, run_tp, small_config, spawn)
+                      join_gloo, run_one, run_together, run_tp, small_config, spawn)
 from config import validate
 from family_plan import FUSED_PARTS, STRIDED_LINEAR, FusedColwiseParallel, refuse_unplanned_parameters
 from harness import build_family
@@ -33,12 +33,17 @@ from parallelize import apply_tp
 from survey import markdown_table, survey_attention_calls
 
 
+STOCK = {"parallelism.decoder_layer": "stock"}
+NORM_OUTPUT = {"parallelism.attention_gather": "norm_output"}
+RUNS_TOGETHER = {TP: [("llama", None, o) for o in ({}, STOCK, {**STOCK, **NORM_OUTPUT})]}  # the proof's: run on torch 2.10.0 too
+
+
 def positional_tp(tmp_root):
     return run_tp(tmp_root)
 
 
 def stock_tp(tmp_root):
-    return run_tp(tmp_root, **{"parallelism.decoder_layer": "stock"})
+    return run_tp(tmp_root, **STOCK)
 
 
 # 1. --------------------------------------------------------------------------
@@ -95,12 +100,10 @@ def assert_stock_layer_behaviour(r: dict) -> None:
 
 # The plan-only fix: attention's input gathered at input_layernorm's output ----
 
-NORM_OUTPUT = {"parallelism.attention_gather": "norm_output"}
-
 
 @pytest.mark.recompile_proof
 def test_norm_output_plan_on_stock_layer_is_one_graph_with_the_positional_layers_losses(tmp_root):
-    r = run_tp(tmp_root, **{"parallelism.decoder_layer": "stock", **NORM_OUTPUT})
+    r = run_tp(tmp_root, **STOCK, **NORM_OUTPUT)
     assert (r["graphs"], r["recompiles"]) == (1, 0), (r["recompile_reasons"][:2], r["error"])
     assert r["error"] is None, r["error"]
     assert r["kwargs_hooks"] == [], "the norm-output plan must leave no with_kwargs=True pre-hook"
@@ -137,9 +140,11 @@ def test_norm_output_plan_communicates_as_the_pre_hook_plan(tmp_path):
     assert any("all_gather" in op for op in counts["pre_hook"]), counts
 
 
-@pytest.mark.parametrize("arch, window, graphs", [("gemma3_text", 48, 1), ("mistral", 16, 1), ("cohere2", 48, 2),
-                                                   ("gemma2", 16, 1), ("phi3+mha", 16, 1), ("olmo2", None, 1),
-                                                   ("bitnet", None, 1)])
+OTHER_ARCHITECTURES = [("gemma3_text", 48, 1), ("mistral", 16, 1), ("cohere2", 48, 2), ("gemma2", 16, 1),
+                       ("phi3+mha", 16, 1), ("olmo2", None, 1), ("bitnet", None, 1)]
+
+
+@pytest.mark.parametrize("arch, window, graphs", OTHER_ARCHITECTURES)
 def test_norm_output_plan_fixes_other_hf_architectures(tmp_root, arch, window, graphs):
     """Per-head q/k norms and four block norms (gemma), each planned by its type; a sliding window
     between seq_len / TP and seq_len (48) or under it (16), from masks built for the whole
@@ -149,7 +154,8 @@ def test_norm_output_plan_fixes_other_hf_architectures(tmp_root, arch, window, g
     (cohere2: sliding layers with RoPE and full ones without, the second a recompile; gemma2's two
     kinds differ in the mask alone). reach.py runs every dense family and both windows, on torch
     2.10.0 too (RESULTS.md)."""
-    r = run_tp(tmp_root, arch, window=window, **{"parallelism.decoder_layer": "stock", **NORM_OUTPUT})
+    run_together(tmp_root, TP, [(a, w, {**STOCK, **NORM_OUTPUT}) for a, w, _ in OTHER_ARCHITECTURES])
+    r = run_tp(tmp_root, arch, window=window, **STOCK, **NORM_OUTPUT)
     assert r["error"] is None, r["error"]
     assert r["kwargs_hooks"] == (r["attention_modules"] if arch == "olmo2" else [])  # post-norm: by keyword
     assert (r["graphs"], r["recompiles"]) == (graphs, graphs - 1), r["recompile_reasons"]
@@ -333,7 +339,7 @@ def test_2d_compiles_one_graph_without_kwargs_pre_hook_on_attention(tmp_root):
 
 
 def test_2d_norm_output_plan_on_stock_layer_compiles_one_graph(tmp_root):
-    r = run_2d(tmp_root, **{"parallelism.decoder_layer": "stock", **NORM_OUTPUT})
+    r = run_2d(tmp_root, **STOCK, **NORM_OUTPUT)
     assert (r["graphs"], r["recompiles"]) == (1, 0), (r["recompile_reasons"][:2], r["error"])
     assert r["error"] is None, r["error"]
     assert r["attention_kwargs_hooks"] == []

@@ -9,11 +9,10 @@ import textwrap
 
 import pytest
 
-from conftest import (DP_SHARD, GLOBAL_BATCH, GPU_ENV, HERE, _losses, _torchrun, _torchrun_cmd,
+from conftest import (DP_SHARD, GLOBAL_BATCH, GPU_ENV, HERE, TP, _losses, _torchrun, _torchrun_cmd,
                       again_if_a_rank_died_of_a_signal, assert_every_gradient_matches, free_port, run_2d, run_one,
                       run_ranks, run_tp)
 from harness import gradient_differences
-
 
 
 def test_torchrun_trains_with_one_graph_and_falling_loss():
@@ -86,6 +85,11 @@ def test_bench_reports_torchtitan_and_transformers_tp_with_one_graph_and_the_one
 
 SELECTIVE_OP = {"activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "op"}
 EVERY_2ND = {"activation_checkpoint.mode": "selective", "activation_checkpoint.selective_ac_option": "2"}
+FSDP_ALONE = {"parallelism.dp_shard": DP_SHARD, "parallelism.tp": 1}
+BF16 = {"training.mixed_precision_param": "bfloat16"}
+TWO_D = {"parallelism.dp_shard": DP_SHARD}
+RUNS_TOGETHER = {TP: [("llama", None, o) for o in (SELECTIVE_OP, EVERY_2ND, FSDP_ALONE, BF16, {})],  # FSDP alone: 2 ranks too
+                 DP_SHARD * TP: [("llama", None, {**TWO_D, **BF16}), ("llama", None, TWO_D)]}
 
 
 @pytest.mark.parametrize("ac, graphs", [(SELECTIVE_OP, 1), (EVERY_2ND, 2)], ids=["op", "every-2nd"])
@@ -101,16 +105,13 @@ def test_selective_ac_trains_tp_with_the_one_process_numbers(tmp_root, ac, graph
 
 
 def test_fsdp_alone_trains_with_the_one_process_numbers(tmp_root):
-    r = run_ranks(tmp_root, DP_SHARD, **{"parallelism.dp_shard": DP_SHARD, "parallelism.tp": 1})
+    r = run_ranks(tmp_root, DP_SHARD, **FSDP_ALONE)
     assert r["error"] is None, r["error"]
     assert (r["graphs"], r["recompiles"]) == (1, 0), r["recompile_reasons"]
     assert "" in r["fsdp_modules"] and r["kwargs_hooks"], "FSDP2 wraps the model"
     single = run_one(**GLOBAL_BATCH)
     assert r["losses"] == pytest.approx(single["losses"], abs=1e-4)
     assert r["grad_norms"] == pytest.approx(single["grad_norms"], rel=1e-4)
-
-
-BF16 = {"training.mixed_precision_param": "bfloat16"}
 
 
 def test_bfloat16_without_fsdp_autocasts_every_matmul_and_keeps_float32_weights(tmp_root):
@@ -134,7 +135,7 @@ def test_bfloat16_policy_computes_in_bfloat16_and_reduces_in_the_reduce_dtype(tm
     is bfloat16 (FSDP's unsharded copy), and the gradients FSDP reduce-scatters are float32,
     although backward computed them in bfloat16 (FSDP's default reduce dtype). Every step-1
     gradient is within 3e-2 of the float32 run's, none within 1e-3 (4.3e-3 to 1.2e-2 measured)."""
-    bf16 = run_2d(tmp_root, **{"training.mixed_precision_param": "bfloat16"})
+    bf16 = run_2d(tmp_root, **BF16)
     fp32 = run_2d(tmp_root)
     assert bf16["error"] is None, bf16["error"]
     assert (bf16["graphs"], bf16["recompiles"]) == (1, 0), bf16["recompile_reasons"]
