@@ -169,10 +169,11 @@ def _torchrun(*train_args: str, launcher: tuple[str, ...] = ()) -> subprocess.Co
 ROOT_CAUSE_SIGNAL = re.compile(r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*-(\d+)", re.S)
 
 
-def again_if_a_rank_died_of_a_signal(launch) -> subprocess.CompletedProcess:
+def again_if_a_rank_died_of_a_signal(launch, fresh_each_time: bool = False) -> subprocess.CompletedProcess:
     """run_ranks' rule for torchrun: `launch()` again (at most twice, with a warning) while
     torchrun's first failing rank was killed by a signal (its report's "exitcode : -6") before
-    any checkpoint was saved (a rerun then starts the same). CI's SIGABRT's cause is unknown
+    any checkpoint was saved, or after one where `launch` empties its checkpoint folder first
+    (`fresh_each_time`): a rerun then starts the same. CI's SIGABRT's cause is unknown
     (RESULTS.md, faults): what each dead rank printed (faulthandler's stacks, PYTHONFAULTHANDLER)
     goes into the warning and, when every attempt died, at the end of the returned stdout."""
     died_before = []
@@ -180,7 +181,7 @@ def again_if_a_rank_died_of_a_signal(launch) -> subprocess.CompletedProcess:
         proc = launch()
         out = proc.stdout + (proc.stderr or "")
         died = ROOT_CAUSE_SIGNAL.search(out)
-        if proc.returncode == 0 or not died or "checkpoint: saved" in out:
+        if proc.returncode == 0 or not died or ("checkpoint: saved" in out and not fresh_each_time):
             return proc
         evidence = [line for line in out.splitlines() if re.search(r"terminate|Fatal Python|[Tt]hread 0x|  File ", line)]
         died_before.append(f"attempt {attempt}: a rank died of {signal.Signals(int(died.group(1))).name}. "

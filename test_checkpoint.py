@@ -41,11 +41,16 @@ def _launch(nproc: int, args: list[str], *torchrun_args: str) -> subprocess.Pope
 
 
 def _train(nproc: int, args: list[str]) -> str:
+    folder = Path(args[args.index("--checkpoint.folder") + 1]) if "--checkpoint.folder" in args else None
+    fresh = folder is not None and not folder.exists()  # a new run's folder: emptied before a rerun
+
     def launch():
+        if fresh:
+            shutil.rmtree(folder, ignore_errors=True)
         proc = _launch(nproc, args)
         out = proc.communicate(timeout=600)[0]
         return subprocess.CompletedProcess(proc.args, proc.returncode, out)
-    proc = again_if_a_rank_died_of_a_signal(launch)
+    proc = again_if_a_rank_died_of_a_signal(launch, fresh_each_time=fresh)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return proc.stdout
 
