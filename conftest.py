@@ -100,15 +100,18 @@ def run_ranks(tmp_root: str, world_size: int, arch: str = "llama", float64: bool
     """run_training on `world_size` gloo ranks with `small_config(**overrides)`, rank 0's report
     (cached); its "grads" names the file of every parameter's step-1 gradient."""
     run_together(tmp_root, world_size, [(arch, window, overrides)], float64)
-    return _reports[(tmp_root, world_size, float64, arch, window, tuple(sorted(overrides.items())))]
+    return _reports[_report_key(tmp_root, world_size, float64, arch, window, overrides)]
+
+
+def _report_key(tmp_root: str, world_size: int, float64: bool, arch: str, window: int | None, overrides: dict) -> tuple:
+    return tmp_root, world_size, float64, arch, window, tuple(sorted(overrides.items()))
 
 
 def run_together(tmp_root: str, world_size: int, runs: list[tuple[str, int | None, dict]], float64: bool = False) -> None:
     """Each (arch, window, overrides) of `runs` that run_ranks has not run yet, one after another on
     the same `world_size` gloo ranks (a spawn costs a 2-rank run ~10 s), into run_ranks' cache."""
-    todo = {(tmp_root, world_size, float64, arch, window, tuple(sorted(overrides.items()))): (arch, window, overrides)
-            for arch, window, overrides in runs}
-    todo = {key: run for key, run in todo.items() if key not in _reports}
+    keys = {_report_key(tmp_root, world_size, float64, *run): run for run in runs}
+    todo = {key: run for key, run in keys.items() if key not in _reports}
     if not todo:
         return
     outs = {key: str(Path(tmp_root) / f"run-{abs(hash(key))}.json") for key in todo}
