@@ -174,15 +174,14 @@ def one_process(arch: str, cfg: dict, batches: list, grads_path: str) -> dict:
     return result
 
 
-def _rank_main(rank: int, port: int, cases: dict, cfg: dict, batches_path: str, tmp_root: str) -> None:
+def _rank_main(rank: int, port: int, jobs: list, cfg: dict, batches_path: str) -> None:
     join_gloo(rank, TP, port)
     tp_mesh = init_device_mesh("cpu", (TP,))
     batches = torch.load(batches_path)
-    for i, case in enumerate(cases.values()):
-        out = Path(tmp_root) / f"readme-case-{i}.json"
+    for case, out in jobs:
         result = plain_trainer(*case, cfg, batches, tp_mesh, f"{out}.grads.pt")
         if rank == 0:
-            out.write_text(json.dumps(result))
+            Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
@@ -198,12 +197,9 @@ def run_recipes(tmp_root: str) -> dict:
     it = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
     batches_path = Path(tmp_root) / "readme-batches.pt"
     torch.save([next(it) for _ in range(t["steps"])], batches_path)
-    found = cases()
-    spawn(_rank_main, lambda port: (port, found, cfg, str(batches_path), tmp_root), TP, f"README's recipes on {TP} ranks")
-    results = {}
-    for i, name in enumerate(found):
-        out = Path(tmp_root) / f"readme-case-{i}.json"
-        results[name] = {**json.loads(out.read_text()), "grads": f"{out}.grads.pt"}
+    outs = {name: (case, str(Path(tmp_root) / f"readme-case-{i}.json")) for i, (name, case) in enumerate(cases().items())}
+    spawn(_rank_main, lambda port: (port, list(outs.values()), cfg, str(batches_path)), TP, f"README's recipes on {TP} ranks")
+    results = {name: {**json.loads(Path(out).read_text()), "grads": f"{out}.grads.pt"} for name, (_, out) in outs.items()}
     for arch in ("qwen3", "olmo2", TIED_GEMMA3):
         one = Path(tmp_root) / f"readme-{arch}-one.grads.pt"
         results[f"{arch}, one process"] = {**one_process(arch, cfg, torch.load(batches_path), str(one)), "grads": str(one)}
