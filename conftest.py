@@ -186,7 +186,8 @@ def again_if_a_rank_died_of_a_signal(launch, fresh_each_time: bool = False) -> s
         died = ROOT_CAUSE_SIGNAL.search(out)
         if proc.returncode == 0 or not died or ("checkpoint: saved" in out and not fresh_each_time):
             return proc
-        evidence = [line for line in out.splitlines() if re.search(r"terminate|Fatal Python|[Tt]hread 0x|  File ", line)]
+        evidence = [line for line in out.splitlines()
+                    if re.search(r"terminate|malloc|free\(\)|corrupt|Fatal Python|[Tt]hread 0x|  File ", line)]
         died_before.append(f"attempt {attempt}: a rank died of {signal.Signals(int(died.group(1))).name}. "
                            "It printed:\n" + "\n".join(evidence[:60]))
         if attempt < ATTEMPTS:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from checkpoint import checkpoint_state
-from conftest import HERE, free_port
+from conftest import HERE, again_if_a_rank_died_of_a_signal, free_port
 from test_checkpoint import SMALL, _children, _ckpt_args, _launch, _step_values, _train, uninterrupted
 
 EAGER = ("--compile.enable", "false")
@@ -24,10 +24,12 @@ def _finish(proc: subprocess.Popen, lines: list[str]) -> str:
 
 
 def _failed(nproc: int, args: list[str]) -> str:
-    proc = _launch(nproc, args)
-    out = _finish(proc, [])
-    assert proc.returncode != 0, out[-3000:]
-    return out
+    def launch():
+        proc = _launch(nproc, args)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, _finish(proc, []))
+    proc = again_if_a_rank_died_of_a_signal(launch)  # a failed resume saves nothing: a rerun starts the same
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    return proc.stdout
 
 
 def _our_lines(out: str, start: str) -> list[str]:
@@ -119,11 +121,15 @@ def test_a_shard_rank_0_cannot_see_writes_no_marker_and_keeps_the_previous_check
     """The marker lists the files DCP's .metadata names, not those rank 0 sees in the folder."""
     folder, script = tmp_path / "ckpt", tmp_path / "hidden_shard.py"
     script.write_text(HIDDEN_SHARD)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", str(script),
-                           *_ckpt_args(folder, *EAGER, "--training.steps", "10", "--checkpoint.keep_latest_k", "1")],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
+
+    def launch():
+        shutil.rmtree(folder, ignore_errors=True)
+        args = _ckpt_args(folder, *EAGER, "--training.steps", "10", "--checkpoint.keep_latest_k", "1")
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                               f"--master_port={free_port()}", str(script), *args],
+                              capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
+    proc = again_if_a_rank_died_of_a_signal(launch, fresh_each_time=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     [line] = _our_lines(out, "error: ")
@@ -349,12 +355,16 @@ def test_slow_rank_0_writes_outlast_the_training_timeout(tmp_path):
     the held-out loss after the export under the training timeout again."""
     folder, script = tmp_path / "ckpt", tmp_path / "slow_writes.py"
     script.write_text(SLOW_RANK_0_WRITES)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", str(script),
-                           *_ckpt_args(folder, *EAGER, "--training.steps", "4", "--checkpoint.interval", "2",
-                                       "--checkpoint.last_save_in_hf", "true", "--comm.train_timeout_seconds", "3")],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
+
+    def launch():
+        shutil.rmtree(folder, ignore_errors=True)
+        args = _ckpt_args(folder, *EAGER, "--training.steps", "4", "--checkpoint.interval", "2",
+                          "--checkpoint.last_save_in_hf", "true", "--comm.train_timeout_seconds", "3")
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                               f"--master_port={free_port()}", str(script), *args],
+                              capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
+    proc = again_if_a_rank_died_of_a_signal(launch, fresh_each_time=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "checkpoint: saved step 4" in out and "checkpoint: wrote the HF weights of step 4" in out, out[-3000:]
