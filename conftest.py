@@ -35,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import parallelize
 from harness import (HERE, NUM_BLOCKS, STEPS, forget_the_last_model, free_port, gradient_differences, join_gloo,  # noqa: F401 (the tests import them here)
                      run_training, small_config)
+from workarounds import exit_without_finalizing
 
 
 def pytest_configure(config):
@@ -135,16 +136,22 @@ ATTEMPTS = 3  # launches of one test's ranks when one dies of a signal (spawn, a
 
 def spawn(main, args_for_port, nprocs: int, what: str) -> None:
     """mp.spawn(main, args_for_port(a free port), nprocs), run again (at most twice, with a warning)
-    when a rank is killed by a signal with no Python error: CI's rare SIGABRT, "terminate called
-    without an active exception" (RESULTS.md, faults). A Python error in any rank fails the test."""
+    when a rank is killed by a signal with no Python error: the rare heap corruption gloo ranks
+    still die of (RESULTS.md, faults). Each rank ends as train.py does (_then_exit). A Python error
+    in any rank fails the test."""
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            mp.spawn(main, args=args_for_port(free_port()), nprocs=nprocs)
+            mp.spawn(_then_exit, args=(main, *args_for_port(free_port())), nprocs=nprocs)
             return
         except mp.ProcessExitedException as e:
             if e.signal_name is None or attempt == ATTEMPTS:
                 raise
             warnings.warn(f"{what}: {e}; running it again (attempt {attempt + 1} of {ATTEMPTS})")
+
+
+def _then_exit(rank: int, main, *args) -> None:
+    """A spawned rank: `main(rank, *args)`, then its exit as train.py's (workarounds.exit_without_finalizing)."""
+    exit_without_finalizing(lambda: main(rank, *args))
 
 
 def run_tp(tmp_root: str, arch: str = "llama", window: int | None = None, **overrides) -> dict:
@@ -176,7 +183,7 @@ def again_if_a_rank_died_of_a_signal(launch, fresh_each_time: bool = False) -> s
     """run_ranks' rule for torchrun: `launch()` again (at most twice, with a warning) while
     torchrun's first failing rank was killed by a signal (its report's "exitcode : -6") before
     any checkpoint was saved, or after one where `launch` empties its checkpoint folder first
-    (`fresh_each_time`): a rerun then starts the same. CI's SIGABRT's cause is unknown
+    (`fresh_each_time`): a rerun then starts the same. The heap corruption's cause is unknown
     (RESULTS.md, faults): what each dead rank printed (faulthandler's stacks, PYTHONFAULTHANDLER)
     goes into the warning and, when every attempt died, at the end of the returned stdout."""
     died_before = []

@@ -24,7 +24,7 @@ import train
 import workarounds
 
 workarounds.keep_device_mesh_hash_out_of_pickles = lambda: None
-train.main()
+train.exit_without_finalizing(train.main)
 """
 
 

@@ -113,7 +113,7 @@ def write_marker_without_rank_1s_shard(path, step, run):
 
 
 checkpoint.write_marker = write_marker_without_rank_1s_shard
-train.main()
+train.exit_without_finalizing(train.main)
 """
 
 
@@ -298,7 +298,7 @@ def write_hf_signalled(*args):
 
 
 checkpoint.write_hf = write_hf_signalled
-train.main()
+train.exit_without_finalizing(train.main)
 """
 
 
@@ -345,7 +345,7 @@ def evaluate(*args):  # after the HF export: its wait is over, the training time
 
 checkpoint.write_marker, checkpoint.write_hf = slow(write_marker), slow(write_hf)
 train_evaluate, train.evaluate = train.evaluate, evaluate
-train.main()
+train.exit_without_finalizing(train.main)
 """
 
 

@@ -161,7 +161,7 @@ def batches(data, batch_size, seq_len, *args):
     yield from full_length(data, batch_size, seq_len // 2, *args)  # a new shape from step 2 (32 per TP rank: 16)
 
 train.batches = batches
-train.main()
+train.exit_without_finalizing(train.main)
 """
 
 
@@ -196,7 +196,7 @@ def train_step(*args, **kwargs):
     return (float("nan") if len(calls) >= 3 else loss), grad_norm
 
 train.train_step = train_step
-train.main()
+train.exit_without_finalizing(train.main)
 """
 
 QUICK = ("--model.num_hidden_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
@@ -236,7 +236,7 @@ def clip_grad_norm_(parameters, max_norm):
 
 register_optimizer_step_pre_hook(lambda *_: print("optimizer step", flush=True))
 train.clip_grad_norm_ = clip_grad_norm_
-train.main()
+train.exit_without_finalizing(train.main)
 """
 
 

@@ -24,7 +24,7 @@ from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 
 import parallelize
 import workarounds
-from conftest import free_port, small_config
+from conftest import HERE, free_port, small_config
 from model import build_model, forward_logits
 
 
@@ -173,3 +173,52 @@ def test_without_the_timeout_workaround_a_device_mesh_subgroup_keeps_gloos_defau
     found = json.loads(out.read_text())
     assert found["before"] == {"world": 60, "dp_shard": 1800}, "subgroups take init_process_group's timeout now"
     assert found["after"] == {"world": 7, "dp_shard": 7}
+
+
+GROUP_KEPT_AT_EXIT = """
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import workarounds
+
+KEPT = []  # as a DeviceMesh in DTensor's caches keeps its groups past destroy_process_group
+
+
+def main():
+    dist.init_process_group("gloo")
+    group = init_device_mesh("cpu", (2,)).get_group()
+    for _ in range(50):  # in flight at the exit: only the gloo workers hold their tensors
+        dist.all_gather([torch.ones(1 << 16) for _ in range(2)], torch.ones(1 << 16), group=group, async_op=True)
+    KEPT.append(group)
+    dist.destroy_process_group()
+
+
+if sys.argv[1] == "with":
+    workarounds.exit_without_finalizing(main)
+else:
+    main()
+"""
+
+
+def test_without_the_exit_workaround_a_gloo_worker_aborts_a_finalizing_rank(tmp_path):
+    """workarounds.exit_without_finalizing (torch 2.10.0, 2.15.0; pytorch/pytorch#190489): a gloo worker
+    that drops a collective's tensors while Python finalizes takes the GIL and dies in std::terminate.
+    Collectives in flight at the exit make the race likely (measured: 16 of 16 launches aborted)."""
+    script = tmp_path / "group_kept_at_exit.py"
+    script.write_text(GROUP_KEPT_AT_EXIT)
+
+    def launch(how: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                               f"--master_port={free_port()}", str(script), how], capture_output=True, text=True,
+                              timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
+    for _ in range(3):
+        without = launch("without")
+        if "terminate called without an active exception" in without.stderr:
+            break
+    assert without.returncode != 0 and "terminate called without an active exception" in without.stderr, (
+        f"3 launches finalized cleanly: the workaround may go\n{without.stderr[-2000:]}")
+    with_it = launch("with")
+    assert with_it.returncode == 0, with_it.stderr[-3000:]

@@ -37,7 +37,8 @@ from config import (ConfigError, check_resources, load_config, parse_args, prepa
 from materialize import build_on_meta, materialize
 from model import build_model, forward_logits
 from parallelize import autocast, build_parallel_dims, parallelize
-from workarounds import clip_grad_norm_, set_comm_timeout, several_nodes_restart_problem, store_for_this_restart
+from workarounds import (clip_grad_norm_, exit_without_finalizing, set_comm_timeout, several_nodes_restart_problem,
+                         store_for_this_restart)
 
 
 def main() -> None:
@@ -345,4 +346,4 @@ def evaluate(model, data: torch.Tensor, cfg: dict, device: torch.device, dp_mesh
 
 
 if __name__ == "__main__":
-    main()
+    exit_without_finalizing(main)

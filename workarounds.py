@@ -4,6 +4,7 @@ test_readme.py; RESULTS.md, "Library workarounds by torch version").
 """
 
 import os
+import sys
 import warnings
 from datetime import timedelta
 
@@ -113,3 +114,21 @@ def set_comm_timeout(seconds: int) -> None:
     set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     for group in list(dist.distributed_c10d._world.pg_map):
         set_timeout(timedelta(seconds=seconds), group)
+
+
+def exit_without_finalizing(main) -> None:
+    """Workaround, torch 2.10.0 and 2.15.0 (measured on both): `main()`, then its exit code by os._exit,
+    the output flushed, skipping Python's finalization. A cached DeviceMesh keeps its gloo groups past
+    destroy_process_group; a gloo worker that drops a finished collective's tensors while Python
+    finalizes takes the GIL and dies in std::terminate: SIGABRT, "terminate called without an active
+    exception" (pytorch/pytorch#190489). An exception still finalizes, after its traceback."""
+    try:
+        main()
+        code = 0
+    except SystemExit as e:
+        if not isinstance(e.code, (int, type(None))):
+            raise
+        code = e.code or 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
