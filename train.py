@@ -4,9 +4,8 @@
     torchrun --nproc_per_node=4 train.py --parallelism.dp_shard 2    # FSDP 2 x TP 2
     python train.py                                                   # one process
 
-Any config key can be overridden, torchtitan-style: --parallelism.dp_shard 2 --training.steps 20.
-A value is read as a TOML literal (2, -1, 8e-4, true, "text"), else as plain text (paths need no
-quotes), and goes through the same checks as the file. CPU ranks use gloo, GPU ranks nccl.
+Any config key can be overridden, torchtitan-style (--training.steps 20): each value is a TOML
+literal (2, -1, 8e-4, true, "text") or else plain text (paths need no quotes), checked as the file's.
 """
 
 import time
