@@ -32,6 +32,18 @@ def _failed(nproc: int, args: list[str]) -> str:
     return proc.stdout
 
 
+def _script_on_two_ranks(script: Path, folder: Path, *args: str) -> subprocess.CompletedProcess:
+    """`script` (train.py patched) under torchrun on 2 ranks, checkpointing into `folder`, emptied
+    before each launch: run again when a rank dies of a signal."""
+    def launch():
+        shutil.rmtree(folder, ignore_errors=True)
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                               f"--master_port={free_port()}", str(script), *_ckpt_args(folder, *args)],
+                              capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
+    return again_if_a_rank_died_of_a_signal(launch, fresh_each_time=True)
+
+
 def _our_lines(out: str, start: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith(start)]
 
@@ -121,15 +133,7 @@ def test_a_shard_rank_0_cannot_see_writes_no_marker_and_keeps_the_previous_check
     """The marker lists the files DCP's .metadata names, not those rank 0 sees in the folder."""
     folder, script = tmp_path / "ckpt", tmp_path / "hidden_shard.py"
     script.write_text(HIDDEN_SHARD)
-
-    def launch():
-        shutil.rmtree(folder, ignore_errors=True)
-        args = _ckpt_args(folder, *EAGER, "--training.steps", "10", "--checkpoint.keep_latest_k", "1")
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               f"--master_port={free_port()}", str(script), *args],
-                              capture_output=True, text=True, timeout=300,
-                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
-    proc = again_if_a_rank_died_of_a_signal(launch, fresh_each_time=True)
+    proc = _script_on_two_ranks(script, folder, *EAGER, "--training.steps", "10", "--checkpoint.keep_latest_k", "1")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     [line] = _our_lines(out, "error: ")
@@ -355,16 +359,8 @@ def test_slow_rank_0_writes_outlast_the_training_timeout(tmp_path):
     the held-out loss after the export under the training timeout again."""
     folder, script = tmp_path / "ckpt", tmp_path / "slow_writes.py"
     script.write_text(SLOW_RANK_0_WRITES)
-
-    def launch():
-        shutil.rmtree(folder, ignore_errors=True)
-        args = _ckpt_args(folder, *EAGER, "--training.steps", "4", "--checkpoint.interval", "2",
-                          "--checkpoint.last_save_in_hf", "true", "--comm.train_timeout_seconds", "3")
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               f"--master_port={free_port()}", str(script), *args],
-                              capture_output=True, text=True, timeout=300,
-                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
-    proc = again_if_a_rank_died_of_a_signal(launch, fresh_each_time=True)
+    proc = _script_on_two_ranks(script, folder, *EAGER, "--training.steps", "4", "--checkpoint.interval", "2",
+                                "--checkpoint.last_save_in_hf", "true", "--comm.train_timeout_seconds", "3")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "checkpoint: saved step 4" in out and "checkpoint: wrote the HF weights of step 4" in out, out[-3000:]
