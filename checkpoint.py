@@ -254,8 +254,8 @@ def write_hf(path: Path, weights: dict, model_cfg: dict) -> str | None:
     from safetensors.torch import save_file
 
     tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
+        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)  # an unfinished export's, or a stray file
         hf_config(model_cfg).save_pretrained(tmp)
         save_file({k: v.contiguous() for k, v in weights.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
     except (OSError, SafetensorError) as e:

@@ -211,6 +211,27 @@ def test_completeness_check_rejects_cut_files_and_markers(tmp_root, tmp_path):
         assert checkpoint_state(path) == "incomplete", damage
 
 
+@pytest.mark.parametrize("stray", ["folder", "file"])
+def test_hf_export_writes_over_an_unfinished_one(tmp_path, stray):
+    """step-N-hf.tmp left by a killed export, as a folder or (by hand) a file: the export replaces
+    it. A file once made save_pretrained raise AssertionError: a traceback, not one line."""
+    from safetensors.torch import load_file
+
+    from checkpoint import write_hf
+    from model import build_model
+
+    cfg = small_config()
+    tmp = tmp_path / "step-4-hf.tmp"
+    if stray == "folder":
+        tmp.mkdir()
+        (tmp / "model.safetensors").write_bytes(b"cut")
+    else:
+        tmp.write_text("")
+    weights = build_model(cfg["model"]).state_dict()
+    assert write_hf(tmp_path / "step-4-hf", weights, cfg["model"]) is None
+    assert not tmp.exists() and load_file(tmp_path / "step-4-hf" / "model.safetensors").keys() == weights.keys()
+
+
 def assert_resumed_losses(out: str, full: str, after: int) -> None:
     """The resumed steps' losses are the uninterrupted run's: to 1e-4 right after the load; later
     the meshes' different reduction orders add up (1.3e-4 at step 20 on torch 2.10.0, 2 ranks)."""
