@@ -68,13 +68,13 @@ def flops_per_token(model, cfg: dict) -> int:
 def peak_flops(device: torch.device, cfg: dict) -> tuple[float, str] | None:
     """(every rank's peak FLOP/s together, its source) in the dtype the matmuls run in: bfloat16 with
     mixed_precision_param (FSDP2 or autocast), else float32 (TF32 on a GPU below "highest" precision).
-    torchtitan's bf16 table on a GPU, else a matmul of that dtype timed on all ranks at once; on CPU
-    only with metrics.measure_cpu_peak. A GPU's peak memory is counted from after the probe."""
+    torchtitan's bf16 table on a GPU it lists (another gets its A100 fallback, 312e12), else a matmul of
+    that dtype timed on all ranks at once; on CPU only with metrics.measure_cpu_peak. A GPU's peak
+    memory is counted from after the probe."""
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     cuda, bf16 = device.type == "cuda", cfg["training"]["mixed_precision_param"] == "bfloat16"
     where = torch.cuda.get_device_name(device) if cuda else "CPU"
-    if cuda and bf16:
-        peak = get_peak_flops(where)
+    if cuda and bf16 and ((peak := get_peak_flops(where)) != 312e12 or "A100" in where):
         return ranks * peak, f"{ranks} x {where}'s {peak / 1e12:.0f} TFLOP/s bfloat16 (torchtitan's table)"
     if not cuda and not cfg["metrics"]["measure_cpu_peak"]:
         return None

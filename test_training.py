@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -299,3 +300,35 @@ def test_one_gpu_trains_with_one_graph_mfu_in_its_dtype_and_peak_memory_without_
     assert mfu and int(mfu[1]) <= 100 and peak in mfu[2], out
     [memory] = re.findall(r"peak memory per rank (\d+) MiB \(max allocated\)", out)
     assert int(memory) < 100, f"{memory} MiB: the MFU probe counted"
+
+
+@pytest.mark.parametrize("gpu, source", [("NVIDIA H200", "1 x NVIDIA H200's 989 TFLOP/s bfloat16 (torchtitan's table)"),
+                                         ("NVIDIA A100-SXM4-80GB", "1 x NVIDIA A100-SXM4-80GB's 312 TFLOP/s bfloat16"),
+                                         ("NVIDIA L4", "a measured 1 x 100 TFLOP/s NVIDIA L4 bfloat16 matmul peak")])
+def test_bfloat16_mfu_on_a_gpu_torchtitans_table_lacks_is_against_a_measured_peak(monkeypatch, gpu, source):
+    """report.peak_flops' choice on a GPU, on this CPU host: torchtitan's bf16 table where it lists the
+    GPU; for another it returns its A100 figure (312e12), so the bfloat16 matmul is timed instead (the
+    timer, the CUDA calls and lspci's answer stubbed: 100 TFLOP/s)."""
+    import torch
+    import torch.utils.benchmark
+
+    import report
+    from config import load_config
+
+    table = {"NVIDIA H200": 989e12, "NVIDIA A100-SXM4-80GB": 312e12}
+    monkeypatch.setattr(report, "get_peak_flops", lambda name: table.get(name, 312e12))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: gpu)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: None)
+    randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *shape, device, dtype: randn(*shape, dtype=dtype))
+    class Timer:  # torch's Timer, at 100 TFLOP/s for a 4096² matmul
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def blocked_autorange(self, min_run_time):
+            return types.SimpleNamespace(median=2 * 4096**3 / 100e12)
+    monkeypatch.setattr(torch.utils.benchmark, "Timer", Timer)
+    cfg = load_config(str(HERE / "config.toml"), 1, {"training.mixed_precision_param": "bfloat16"})
+    peak, text = report.peak_flops(torch.device("cuda", 0), cfg)
+    assert source in text, text
+    assert peak == pytest.approx(table.get(gpu, 100e12))
