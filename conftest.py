@@ -165,9 +165,10 @@ def run_2d(tmp_root: str, **overrides) -> dict:
 
 
 
-def _torchrun_cmd(*train_args: str, launcher: tuple[str, ...] = ()) -> list[str]:
+def _torchrun_cmd(*train_args: str, launcher: tuple[str, ...] = (), script: Path = HERE / "train.py") -> list[str]:
+    """torchrun of `script` (train.py, or a test's patched copy), on 2 ranks unless `launcher` says otherwise."""
     launcher = launcher or (f"--nproc_per_node={TP}", f"--master_port={free_port()}")
-    return [sys.executable, "-m", "torch.distributed.run", *launcher, str(HERE / "train.py"), *train_args]
+    return [sys.executable, "-m", "torch.distributed.run", *launcher, str(script), *train_args]
 
 
 def _torchrun(*train_args: str, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:

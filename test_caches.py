@@ -6,12 +6,11 @@ workaround can go)."""
 import os
 import re
 import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from conftest import HERE, _losses, again_if_a_rank_died_of_a_signal, free_port
+from conftest import HERE, _losses, _torchrun_cmd, again_if_a_rank_died_of_a_signal
 
 SMALL = ("--training.steps", "3", "--model.num_hidden_layers", "2", "--training.seq_len", "64",
          "--training.local_batch_size", "2", "--data.max_bytes", "1000000", "--data.eval_batches", "1",
@@ -37,8 +36,7 @@ def _run(cache_dir, tmp_path, workaround: bool = True) -> subprocess.CompletedPr
         script.write_text(textwrap.dedent(WITHOUT_WORKAROUND.format(here=str(HERE))))
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(cache_dir),
                TORCH_LOGS="torch._functorch._aot_autograd.autograd_cache")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           str(script), *SMALL]
+    cmd = _torchrun_cmd(*SMALL, script=script)
     proc = again_if_a_rank_died_of_a_signal(lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                                                                    env=env))
     assert proc.returncode == 0, proc.stderr[-4000:]

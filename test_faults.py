@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from checkpoint import checkpoint_state
-from conftest import HERE, again_if_a_rank_died_of_a_signal, free_port
+from conftest import HERE, _torchrun_cmd, again_if_a_rank_died_of_a_signal, free_port
 from test_checkpoint import SMALL, _children, _ckpt_args, _launch, _step_values, _train, uninterrupted
 
 EAGER = ("--compile.enable", "false")
@@ -37,8 +37,7 @@ def _script_on_two_ranks(script: Path, folder: Path, *args: str) -> subprocess.C
     before each launch: run again when a rank dies of a signal."""
     def launch():
         shutil.rmtree(folder, ignore_errors=True)
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               f"--master_port={free_port()}", str(script), *_ckpt_args(folder, *args)],
+        return subprocess.run(_torchrun_cmd(*_ckpt_args(folder, *args), script=script),
                               capture_output=True, text=True, timeout=300,
                               env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
     return again_if_a_rank_died_of_a_signal(launch, fresh_each_time=True)

@@ -27,8 +27,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, again_if_a_rank_died_of_a_signal,
-                      assert_every_gradient_matches, free_port, join_gloo, run_tp, small_config, spawn)
+from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, _torchrun_cmd, again_if_a_rank_died_of_a_signal,
+                      assert_every_gradient_matches, join_gloo, run_tp, small_config, spawn)
 from harness import build_family, forget_the_last_model, whole_gradients
 from workarounds import FOREACH_SCALES_PARTIAL_GRADIENTS
 
@@ -340,8 +340,7 @@ def test_without_the_clip_workaround_torch_2_10_leaves_sequence_parallel_gradien
     CI runs, the workaround and README's sentence may go."""
     script = tmp_path / "partial_gradient_clipped.py"
     script.write_text(PARTIAL_GRADIENT_CLIPPED)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", f"--master_port={free_port()}",
-           str(script)]
+    cmd = _torchrun_cmd(script=script)
     proc = again_if_a_rank_died_of_a_signal(lambda: subprocess.run(
         cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))))
     assert proc.returncode == 0, proc.stderr[-3000:]

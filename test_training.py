@@ -169,9 +169,9 @@ train.exit_without_finalizing(train.main)
 def test_fail_on_recompile_stops_the_run_with_dynamos_reason(tmp_path):
     script = tmp_path / "half_length.py"
     script.write_text(textwrap.dedent(HALF_LENGTH_AFTER_STEP_ONE.format(here=str(HERE))))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-           str(script), "--training.steps", "4", "--model.num_hidden_layers", "2", "--training.seq_len", "64",
-           "--training.local_batch_size", "2", "--data.max_bytes", "1000000", "--metrics.measure_cpu_peak", "false"]
+    cmd = _torchrun_cmd("--training.steps", "4", "--model.num_hidden_layers", "2", "--training.seq_len", "64",
+                        "--training.local_batch_size", "2", "--data.max_bytes", "1000000",
+                        "--metrics.measure_cpu_peak", "false", script=script)
     proc = again_if_a_rank_died_of_a_signal(lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                                                                    env=dict(os.environ, OMP_NUM_THREADS="1")))
     assert proc.returncode != 0

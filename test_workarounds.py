@@ -24,7 +24,7 @@ from torchtitan.models.llama3.infra.parallelize import _op_sac_save_list
 
 import parallelize
 import workarounds
-from conftest import HERE, free_port, small_config
+from conftest import HERE, _torchrun_cmd, free_port, small_config
 from model import build_model, forward_logits
 
 
@@ -211,9 +211,8 @@ def test_without_the_exit_workaround_a_gloo_worker_aborts_a_finalizing_rank(tmp_
     script.write_text(GROUP_KEPT_AT_EXIT)
 
     def launch(how: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                               f"--master_port={free_port()}", str(script), how], capture_output=True, text=True,
-                              timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
+        return subprocess.run(_torchrun_cmd(how, script=script), capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE)))
     for _ in range(3):
         without = launch("without")
         if "terminate called without an active exception" in without.stderr:
