@@ -1,6 +1,6 @@
 """Benchmark: this project's HF path against torchtitan's llama3 debugmodel and transformers' own TP.
 
-    python bench.py --quick                       # about 20 minutes on 2 CPU cores
+    python bench.py --quick                       # 7-20 minutes on 2 CPU cores, by machine
     python bench.py --seq-len 4096 --batch 1 --steps 3 --warm-rounds 0 --variants patched,native --ac none
                                                   # memory at a long sequence, with and without SP
     python bench.py --nproc 1 --variants patched,titan --model.hidden_size 2048 --training.mixed_precision_param bfloat16
@@ -258,8 +258,8 @@ def print_table(rows: dict, args) -> None:
           f"seq {args.seq_len}, AC {args.ac}, {args.steps} steps, {args.warm_rounds} warm round(s); torch {torch.__version__}, "
           f"torchtitan {torchtitan.__version__}, transformers {transformers.__version__}; "
           f"overrides: {' '.join(args.override_args) or 'none'}")
-    # One peak for every row: each run times its own, and their spread (up to 1.4x here) would
-    # otherwise give rows of the same tokens/s MFUs 10 points apart.
+    # One peak for every row: each run times its own, 1.09-1.37x apart in one --quick table so far,
+    # which gave rows of the same tokens/s MFUs 10 points apart.
     measured = [p for r in rows.values() if "error" not in r for p in r["peak_flops"]]
     peak = statistics.median(measured) if measured else None
     first = next((r["peak"] for r in rows.values() if "error" not in r), None)
