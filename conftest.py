@@ -13,6 +13,7 @@ dp_shard 2 x tp 2, through the real builders: parallelize.build_parallel_dims, t
 
 import faulthandler
 import functools
+import inspect
 import json
 import os
 import re
@@ -126,9 +127,12 @@ def run_together(tmp_root: str, world_size: int, runs: list[tuple[str, int | Non
 @pytest.fixture(scope="module", autouse=True)
 def _a_files_runs_together(request, tmp_root):
     """A test file's RUNS_TOGETHER, {world_size: [(arch, window, overrides), ...]}, before its first
-    test: run_together, so that its tests' run_ranks calls find them cached."""
-    for world_size, runs in getattr(request.module, "RUNS_TOGETHER", {}).items():
-        run_together(tmp_root, world_size, runs)
+    test: run_together, so that its tests' run_ranks calls find them cached. Not where no test
+    selected from the file takes tmp_root (`pytest -k`): those launch no ranks of run_ranks'."""
+    selected = [item.function for item in request.session.items if item.module is request.module]
+    if any("tmp_root" in inspect.signature(test).parameters for test in selected):
+        for world_size, runs in getattr(request.module, "RUNS_TOGETHER", {}).items():
+            run_together(tmp_root, world_size, runs)
 
 
 ATTEMPTS = 3  # launches of one test's ranks when one dies of a signal (spawn, again_if_a_rank_died_of_a_signal)
