@@ -260,11 +260,12 @@ def print_table(rows: dict, args) -> None:
           f"overrides: {' '.join(args.override_args) or 'none'}")
     # One peak for every row: each run times its own, 1.09-1.37x apart in one --quick table so far,
     # which gave rows of the same tokens/s MFUs 10 points apart.
-    measured = [p for r in rows.values() if "error" not in r for p in r["peak_flops"]]
-    peak = statistics.median(measured) if measured else None
-    first = next((r["peak"] for r in rows.values() if "error" not in r), None)
-    print(f"MFU of one peak for every row: {peak / 1e9:.0f} GFLOP/s, the median of {len(measured)} runs' "
-          f"({min(measured) / 1e9:.0f}-{max(measured) / 1e9:.0f}); the first run's: {first}" if measured else "")
+    ran = [r for r in rows.values() if "error" not in r]
+    measured = [p for r in ran for p in r["peak_flops"]]
+    if ran:
+        peak = statistics.median(measured)
+        print(f"MFU of one peak for every row: {peak / 1e9:.0f} GFLOP/s, the median of {len(measured)} runs' "
+              f"({min(measured) / 1e9:.0f}-{max(measured) / 1e9:.0f}); the first run's: {ran[0]['peak']}")
     print("| variant | first step cold (s) | first step warm (s) | steady tokens/s | vs titan | MFU | "
           "peak MiB/rank | graphs | recompiles | loss first -> last | loss gap |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -323,7 +323,7 @@ def test_one_gpu_trains_with_one_graph_mfu_in_its_dtype_and_peak_memory_without_
 def test_bfloat16_mfu_on_a_gpu_torchtitans_table_lacks_is_against_a_measured_peak(monkeypatch, gpu, source):
     """report.peak_flops' choice on a GPU, on this CPU host: torchtitan's bf16 table where it lists the
     GPU; for another it returns its A100 figure (312e12), so the bfloat16 matmul is timed instead (the
-    timer, the CUDA calls and lspci's answer stubbed: 100 TFLOP/s)."""
+    timer, the CUDA calls and torchtitan's get_peak_flops stubbed; the timed peak: 100 TFLOP/s)."""
     import torch
     import torch.utils.benchmark
 
