@@ -82,28 +82,32 @@ def write_marker(path: Path, step: int, run: dict) -> str | None:
     return None
 
 
-REFUSED = ("lr", "warmup_steps", "seed")  # training keys a resume refuses to change, as any [model] key
+# Keys a resume refuses to change, as any [model] key: a data position is into these documents,
+# one per dp rank (the standard library's bytes have one position, for any dp_shard).
+REFUSED = ("training.lr", "training.warmup_steps", "training.seed", "data.path", "data.tokenizer")
 
 
 def run_record(cfg: dict) -> dict:
     """What complete.json records of the run that wrote it (require_same_run)."""
-    t, p = cfg["training"], cfg["parallelism"]
-    return {"model": cfg["model"], "training": {k: t[k] for k in (*REFUSED, "steps", "local_batch_size", "seq_len")},
-            "parallelism": {"dp_shard": p["dp_shard"], "tp": p["tp"]}}
+    t, p, d = cfg["training"], cfg["parallelism"], cfg["data"]
+    return {"model": cfg["model"], "training": {k: t[k] for k in ("lr", "warmup_steps", "seed", "steps",
+                                                                    "local_batch_size", "seq_len")},
+            "parallelism": {"dp_shard": p["dp_shard"], "tp": p["tp"]}, "data": {"path": d["path"], "tokenizer": d["tokenizer"]}}
 
 
 # -----------------------------------------------------------------------------
 # save and resume
 
-def training_state(model, optimizer, scheduler, generator: torch.Generator, step: int) -> dict:
+def training_state(model, optimizer, scheduler, position, step: int) -> dict:
     """Everything a resume needs; also the template that DCP loads into. Fused weights as Shard:
-    HF's layout, which DCP takes (family_plan.without_strided_shards)."""
+    HF's layout, which DCP takes (family_plan.without_strided_shards). `position`: the data's
+    (data.training_batches), with get_state/set_state as a torch.Generator."""
     model_sd, optim_sd = tree_map(without_strided_shards, get_state_dict(model, optimizer))
     return {"model": model_sd, "optim": optim_sd,
-            "train": {"step": step, "scheduler": scheduler.state_dict(), "data_rng": generator.get_state()}}
+            "train": {"step": step, "scheduler": scheduler.state_dict(), "data_position": position.get_state()}}
 
 
-def save(cfg: dict, step: int, model, optimizer, scheduler, generator, log) -> Path:
+def save(cfg: dict, step: int, model, optimizer, scheduler, position, log) -> Path:
     """DCP save on every rank, then rank 0's marker, then old checkpoints pruned: a checkpoint
     is removed only once a newer one is complete. A failed save (a full disk, a shard rank 0
     cannot see) is removed and raised as CheckpointError on every rank. Returns its folder."""
@@ -116,7 +120,7 @@ def save(cfg: dict, step: int, model, optimizer, scheduler, generator, log) -> P
         dist.barrier()
     try:
         # dcp.save returns once rank 0 wrote .metadata, after every rank's shards; it raises on every rank.
-        dcp.save(training_state(model, optimizer, scheduler, generator, step), checkpoint_id=path)
+        dcp.save(training_state(model, optimizer, scheduler, position, step), checkpoint_id=path)
         failure = decided_on_rank0(lambda: write_marker(path, step, run_record(cfg)))
     except (OSError, CheckpointException) as e:
         failure = decided_on_rank0(lambda: why_save_failed(e, path))
@@ -157,7 +161,7 @@ def prune(folder: Path, newest: int, keep_latest_k: int) -> list[str]:
     return [p.name for p in stale]
 
 
-def resume(cfg: dict, model, optimizer, scheduler, generator, log) -> int:
+def resume(cfg: dict, model, optimizer, scheduler, position, log) -> int:
     """Load the latest complete checkpoint in `folder` and return its step; without one,
     load `initial_load_path`'s weights (or nothing) and return 0."""
     ckpt = cfg["checkpoint"]
@@ -167,11 +171,11 @@ def resume(cfg: dict, model, optimizer, scheduler, generator, log) -> int:
     if latest is not None:
         step, path = latest
         require_same_run(path, cfg, log)
-        state = training_state(model, optimizer, scheduler, generator, step)
+        state = training_state(model, optimizer, scheduler, position, step)
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         scheduler.load_state_dict(state["train"]["scheduler"])
-        generator.set_state(state["train"]["data_rng"])
+        position.set_state(state["train"]["data_position"])
         log(f"checkpoint: loaded step {step} from {path} in {time.perf_counter() - start:.1f} s")
         return step
     if ckpt["initial_load_path"]:
@@ -216,15 +220,17 @@ def require_same_run(path: Path, cfg: dict, log, every_key: bool = True) -> None
         saved, now = json.loads((path / MARKER).read_text()).get("run"), run_record(cfg)
         if saved is None:
             return None, f"checkpoint: {path} records no run (an older train.py): [model] and training not checked"
-        changed = [(f"{part}.{key}", saved[part].get(key), value) for part in now if every_key or part == "model"
-                   for key, value in now[part].items() if saved[part].get(key) != value]
-        refused = [c for c in changed if c[0].startswith("model.") or c[0].removeprefix("training.") in REFUSED]
+        changed = [(f"{part}.{key}", saved.get(part, {}).get(key), value) for part in now if every_key or part == "model"
+                   for key, value in now[part].items() if saved.get(part, {}).get(key) != value]
+        per_dp_rank = ("parallelism.dp_shard",) if cfg["data"]["path"] else ()
+        refused = [c for c in changed if c[0].startswith("model.") or c[0] in REFUSED + per_dp_rank]
         return refused[:1], changed and "checkpoint: resuming with " + ", ".join(f"{k} {a} -> {b}" for k, a, b in changed)
     refused, note = decided_on_rank0(compare)
     if refused:
         [(key, was, value)] = refused
         raise CheckpointError(f"{path} was written with {key} = {was!r}, this run has {value!r}: resume with the "
-                              "same [model] and training.lr, warmup_steps and seed, or use another checkpoint.folder")
+                              "same [model], training.lr, warmup_steps, seed, [data] documents and their dp_shard, "
+                              "or use another checkpoint.folder")
     if note:
         log(note)
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 from torch._dynamo import list_backends
-from transformers import LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from checkpoint import MARKER, checkpoint_state
 from materialize import hf_folder_mismatch
@@ -17,17 +18,15 @@ from model import DECODER_LAYERS, hf_config
 
 SCHEMA = {  # every key and its type, in config.toml's order
     "model": dict(hidden_size=int, num_hidden_layers=int, num_attention_heads=int, num_key_value_heads=int,
-                  intermediate_size=int, vocab_size=int, tie_word_embeddings=bool, rms_norm_eps=float,
+                  head_dim=int, intermediate_size=int, vocab_size=int, tie_word_embeddings=bool, rms_norm_eps=float,
                   max_position_embeddings=int, attn_implementation=str,
-                  # transformers' "llama3" RoPE: rope_theta and torchtitan's RoPEScalingArgs
-                  rope_parameters=dict(rope_type=str, rope_theta=float, factor=float, low_freq_factor=float,
-                                       high_freq_factor=float, original_max_position_embeddings=int)),
+                  rope_parameters=dict),  # any RoPE transformers' Llama takes, checked by LlamaConfig
     "training": dict(steps=int, local_batch_size=int, seq_len=int, lr=float, warmup_steps=int, max_norm=float,
                      seed=int, mixed_precision_param=str, mixed_precision_reduce=str, float32_matmul_precision=str),
     "parallelism": dict(dp_shard=int, tp=int, decoder_layer=str, attention_gather=str, loss_parallel=bool),
     "activation_checkpoint": dict(mode=str, selective_ac_option=str),
     "compile": dict(enable=bool, backend=str, fail_on_recompile=bool),
-    "data": dict(max_bytes=int, eval_batches=int),
+    "data": dict(path=str, tokenizer=str, max_bytes=int, eval_batches=int),
     "metrics": dict(measure_cpu_peak=bool),
     "checkpoint": dict(enable=bool, folder=str, interval=int, keep_latest_k=int,  # torchtitan's names
                        initial_load_path=str, initial_load_in_hf=bool, last_save_in_hf=bool),
@@ -89,8 +88,40 @@ def load_config(path: str, world_size: int, overrides: dict[str, object] | None 
             table = table.setdefault(name, {})
             require(isinstance(table, dict), f"--{dotted}: {name} is not a table")
         table[key] = value  # an unknown name fails validation like the file's
+    c = cfg.get("checkpoint", {})
+    if c.get("enable") is True and c.get("initial_load_in_hf") is True and c.get("initial_load_path"):
+        cfg["model"] = model_from_hf_folder(Path(c["initial_load_path"]), cfg.get("model", {}), {
+            name.split(".", 1)[1]: value for name, value in (overrides or {}).items() if name.startswith("model.")})
     validate(cfg, world_size)
     return cfg
+
+
+NOT_IN_MODEL = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}  # what LlamaForCausalLM builds here
+
+
+def model_from_hf_folder(path: Path, model: dict, overrides: dict) -> dict:
+    """[model] as transformers reads the folder's config.json (legacy rope_scaling and rope_theta
+    too); the file's attn_implementation, which no weight depends on. A command-line --model.key
+    that disagrees with the folder is an error, not a silent choice."""
+    name = f"checkpoint.initial_load_path = {str(path)!r}"
+    try:
+        raw, _ = LlamaConfig.get_config_dict(path)
+        config = LlamaConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{name}: transformers cannot read its config.json: {str(e).strip().splitlines()[0]}") from None
+    require(raw.get("model_type") == "llama", f"{name} holds a {raw.get('model_type')!r} model, not a Llama")
+    for key, built in NOT_IN_MODEL.items():
+        require(getattr(config, key) == built, f"{name} has {key} = {getattr(config, key)!r}; this trainer's Llama "
+                f"has {key} = {built!r}")
+    found = {key: getattr(config, key) for key in SCHEMA["model"] if key != "attn_implementation"}
+    found["attn_implementation"] = model.get("attn_implementation", "sdpa")
+    for dotted, value in overrides.items():
+        have = found
+        for key in dotted.split("."):
+            have = have.get(key) if isinstance(have, dict) else None
+        require(dotted == "attn_implementation" or have == value, f"--model.{dotted} = {value!r}, but {path}/config.json "
+                f"has {dotted} = {have!r} (as transformers reads it): [model] comes from the folder")
+    return found
 
 
 def validate(cfg: dict, world_size: int) -> None:
@@ -115,7 +146,8 @@ def check_table(values: dict, fields: dict, prefix: str = "") -> None:
         require(key in fields, f"unknown {what(key)}; known: {', '.join(fields)}")
     for key, typ in fields.items():
         name = f"{prefix}{key}"
-        require(key in values, f"missing {what(key)}" + (f" ({getattr(typ, '__name__', 'table')})" if prefix else ""))
+        kind = "table" if isinstance(typ, dict) or typ is dict else typ.__name__
+        require(key in values, f"missing {what(key)}" + (f" ({kind})" if prefix else ""))
         value = values[key]
         if isinstance(typ, dict):
             require(isinstance(value, dict), f"{name} = {value!r} must be a table")
@@ -124,24 +156,25 @@ def check_table(values: dict, fields: dict, prefix: str = "") -> None:
         if typ in (float, str) and isinstance(value, int) and not isinstance(value, bool):
             values[key] = value = typ(value)  # 8 as 8.0; selective_ac_option = 2 as "2"
         require(isinstance(value, typ) and not (typ is int and isinstance(value, bool)),
-                f"{name} = {value!r} must be of type {typ.__name__}")
+                f"{name} = {value!r} must be " + ("a table" if typ is dict else f"of type {kind}"))
         # Every float here (lr, max_norm, rms_norm_eps, RoPE's) is positive; others train on NaN.
         require(typ is not float or (math.isfinite(value) and value > 0), f"{name} = {value} must be finite and > 0")
 
 
 def check_model(m: dict) -> None:
     require_positive(m, "model", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "intermediate_size", "max_position_embeddings")
-    for a, b in (("hidden_size", "num_attention_heads"), ("num_attention_heads", "num_key_value_heads")):
-        require(m[a] % m[b] == 0, f"model.{a} = {m[a]} must be divisible by model.{b} = {m[b]}")
-    require(m["vocab_size"] >= 256, f"model.vocab_size = {m['vocab_size']} must be >= 256 (byte tokens)")
-    rope = m["rope_parameters"]
-    require(rope["rope_type"] == "llama3", f"model.rope_parameters.rope_type = {rope['rope_type']!r} must be 'llama3' "
-            "(factor = 1.0 turns the scaling off)")
-    require(rope["factor"] >= 1, f"model.rope_parameters.factor = {rope['factor']} must be >= 1 (1: no scaling)")
-    require(rope["high_freq_factor"] > rope["low_freq_factor"],
-            f"model.rope_parameters.high_freq_factor = {rope['high_freq_factor']} must be > low_freq_factor = "
-            f"{rope['low_freq_factor']}")
+                     "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings")
+    require(m["num_attention_heads"] % m["num_key_value_heads"] == 0, f"model.num_attention_heads = "
+            f"{m['num_attention_heads']} must be divisible by model.num_key_value_heads = {m['num_key_value_heads']}")
+    rope, types = m["rope_parameters"], ["default", *ROPE_INIT_FUNCTIONS]
+    require(rope.get("rope_type") in types, f"model.rope_parameters.rope_type = {rope.get('rope_type')!r} must be one "
+            f"of transformers' {types}")
+    try:
+        hf_config(m)  # transformers checks each RoPE type's keys
+    except (KeyError, ValueError, TypeError) as e:
+        raise ConfigError(f"model.rope_parameters = {rope}: {str(e).strip(chr(34))}") from None
+    require(m["attn_implementation"] != "flex_attention", "model.attn_implementation = 'flex_attention' is refused: "
+            "torch 2.15 has no FlexAttention backward on CPU, and it has not trained on a GPU here; use 'sdpa'")
     require(m["attn_implementation"] in ("sdpa", "eager"),
             f"model.attn_implementation = {m['attn_implementation']!r} must be 'sdpa' or 'eager' "
             "(the masks model.forward_logits builds for the whole sequence)")
@@ -213,9 +246,9 @@ def check_checkpoint(c: dict, model_cfg: dict) -> None:
     require(path.exists(), f"{name} does not exist")
     require(path.is_dir(), f"{name} is not a folder")
     require(os.access(path, os.R_OK | os.X_OK), f"{name} cannot be read")
-    if c["initial_load_in_hf"]:
+    if c["initial_load_in_hf"]:  # [model] is its config.json: the tensors must fit it
         problem = hf_folder_mismatch(path, model_cfg)
-        require(problem is None, f"{name} does not fit [model]: {problem}")
+        require(problem is None, f"{name} does not fit its config.json: {problem}")
     else:
         require(checkpoint_state(path) == "complete", f"{name} is not a complete DCP checkpoint (no valid {MARKER})")
 
@@ -296,14 +329,15 @@ def peak_per_rank(cfg: dict) -> dict[str, float]:
     in float32 elements per token as counted by saved-tensor hooks (test_config.py)."""
     m, t, p = cfg["model"], cfg["training"], cfg["parallelism"]
     tp, layers, h, v, heads = p["tp"], m["num_hidden_layers"], m["hidden_size"], m["vocab_size"], m["num_attention_heads"]
-    kv, i = h * m["num_key_value_heads"] // heads, m["intermediate_size"]
+    kv, i = m["head_dim"] * m["num_key_value_heads"], m["intermediate_size"]
     block = (8 * h + 2 * kv + 4 * i + heads) / tp + 2 * h * (1 - 1 / tp)  # attention's and the MLP's inputs gathered
     head = 2 * h / tp + h + 2 * v / (tp if p["loss_parallel"] else 1)  # norm, lm_head's input, logits and their grad
     kept = block * layers if cfg["activation_checkpoint"]["mode"] == "none" else h / tp * layers + block  # AC: inputs
     params, largest = count_parameters(m)
     width = 2 if t["mixed_precision_param"] == "bfloat16" else 4
+    masks = t["local_batch_size"] * t["seq_len"] ** 2 if cfg["data"]["path"] else 0  # block-causal: a bool per pair
     return {"shards": 16 * params / (tp * p["dp_shard"]), "FSDP groups": 2 * width * largest / tp * (p["dp_shard"] > 1),
-            "activations": width * t["local_batch_size"] * t["seq_len"] * (kept + head)}
+            "activations": width * t["local_batch_size"] * t["seq_len"] * (kept + head) + masks}
 
 
 def count_parameters(model_cfg: dict) -> tuple[int, int]:

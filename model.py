@@ -76,13 +76,17 @@ def build_model(model_cfg: dict, decoder_layer: str = "positional") -> LlamaForC
 MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
 
-def forward_logits(model, input_ids):
+def forward_logits(model, input_ids, position_ids=None):
     """Logits, with position_ids and masks for the whole sequence: under sequence parallel HF
-    would build them from each rank's 1/TP of it."""
-    position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+    would build them from each rank's 1/TP of it. Packed documents' `position_ids` restart at each
+    document: each mask is then block-causal and always built (batch x seq_len² bools)."""
+    packed = position_ids is not None
+    if not packed:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
     shape = torch.empty(*input_ids.shape, 0, dtype=model.dtype, device=input_ids.device)  # batch, length, dtype
     kinds = getattr(model.config, "layer_types", None)  # then HF takes a dict by kind
     one_kind = "full_attention" if getattr(model.config, "sliding_window", None) is None else "sliding_attention"
-    masks = {kind: MASKS[kind](model.config, shape, None, None, position_ids) for kind in set(kinds or [one_kind])}
+    masks = {kind: MASKS[kind](model.config, shape, None, None, position_ids, allow_is_causal_skip=not packed)
+             for kind in set(kinds or [one_kind])}
     return model(input_ids=input_ids, attention_mask=masks if kinds else masks[one_kind],
                  position_ids=position_ids, use_cache=False).logits

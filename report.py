@@ -31,6 +31,18 @@ def run_line(cfg: dict, world_size: int, device: torch.device) -> str:
             f"compute {compute}, reduce {t['mixed_precision_reduce']}, float32 matmuls {t['float32_matmul_precision']}")
 
 
+def data_line(cfg: dict, corpus) -> str:
+    """What the run trains on (data.Corpus), its tokenizer, and the masks packed documents cost."""
+    if isinstance(corpus.train, torch.Tensor):
+        return f"data: {len(corpus.train):,} train bytes, {len(corpus.held_out):,} held-out bytes of the Python stdlib"
+    d, t = cfg["data"], cfg["training"]
+    source = d["tokenizer"] or cfg["checkpoint"]["initial_load_path"]
+    return (f"data: {len(corpus.train):,} documents of {d['path']} ({len(corpus.held_out):,} more held out), "
+            f"tokenized by {source}'s tokenizer ({len(corpus.tokenizer) if source != 'bytes' else 256:,} ids), packed "
+            f"into windows of {t['seq_len']}: block-causal masks of {t['local_batch_size'] * t['seq_len'] ** 2 / 2**20:,.1f} "
+            "MiB a step")
+
+
 def log_tp_groups(parallel_dims, node: int, log) -> None:
     """Each TP group with its ranks' nodes; a group across nodes would run TP over slow links."""
     mine = (tuple(parallel_dims.get_mesh("tp").mesh.flatten().tolist()), node)
@@ -60,7 +72,7 @@ def flops_per_token(model, cfg: dict) -> int:
     m, inner = cfg["model"], model.model
     as_titan = torch.nn.Sequential(inner.embed_tokens, inner.layers, inner.norm, model.lm_head)
     args = types.SimpleNamespace(n_layers=m["num_hidden_layers"], n_heads=m["num_attention_heads"])  # FLOPs: no tying
-    head_dims = 2 * m["hidden_size"] // m["num_attention_heads"]
+    head_dims = 2 * m["head_dim"]
     flops = get_dense_model_nparams_and_flops(args, as_titan, head_dims, cfg["training"]["seq_len"])[1]
     return flops + (6 * model.lm_head.weight.numel() if model.lm_head.weight is inner.embed_tokens.weight else 0)
 

@@ -1,8 +1,10 @@
-"""Train the HF Llama debugmodel with FSDP2 x TP + SP, activation checkpointing and per-block compile.
+"""Train an HF Llama (the debugmodel, or yours) with FSDP2 x TP + SP, activation checkpointing and per-block compile.
 
     torchrun --nproc_per_node=2 train.py [--config config.toml] [--section.key value ...]
     torchrun --nproc_per_node=4 train.py --parallelism.dp_shard 2    # FSDP 2 x TP 2
     python train.py                                                   # one process
+    torchrun --nproc_per_node=2 train.py --checkpoint.enable true --checkpoint.initial_load_in_hf true \
+        --checkpoint.initial_load_path LLAMA_FOLDER --data.path DOCS.jsonl   # your Llama, your text
 
 Any config key can be overridden, torchtitan-style (--training.steps 20): each value is a TOML
 literal (2, -1, 8e-4, true, "text") or else plain text (paths need no quotes), checked as the file's.
@@ -20,7 +22,6 @@ import math
 import os
 import signal
 import sys
-import sysconfig
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ import checkpoint
 import report
 from config import (ConfigError, check_resources, load_config, parse_args, prepare_checkpoint_folder,
                     tasks_without_torchrun)
+from data import DataError, batches, held_out_batches, load_stdlib_bytes, prepare, training_batches  # noqa: F401
 from materialize import build_on_meta, materialize
 from model import build_model, forward_logits
 from parallelize import autocast, build_parallel_dims, parallelize
@@ -42,7 +44,7 @@ from workarounds import (clip_grad_norm_, exit_without_finalizing, set_comm_time
 
 def main() -> None:
     launch = launch_env()
-    cfg = config_or_exit(sys.argv[1:], launch)
+    cfg, corpus = config_or_exit(sys.argv[1:], launch)
     t, ckpt = cfg["training"], cfg["checkpoint"]
     log = print if launch.rank == 0 else (lambda *a, **k: None)
     device = init_distributed(launch, cfg["comm"]["init_timeout_seconds"])
@@ -55,26 +57,24 @@ def main() -> None:
             report.log_tp_groups(parallel_dims, launch.node, log)
         dp_mesh = parallel_dims.get_optional_mesh("batch") if parallel_dims else None
 
-        train_data, held_out = load_stdlib_bytes(cfg["data"]["max_bytes"])
-        log(f"data: {len(train_data):,} train bytes, {len(held_out):,} held-out bytes of the Python stdlib")
+        log(report.data_line(cfg, corpus))
+        data, position = training_batches(corpus, cfg, dp_mesh)  # position: what a checkpoint saves
         model, optimizer, scheduler = build_training(cfg, device, parallel_dims)
-        generator = torch.Generator().manual_seed(t["seed"])  # the data position a checkpoint saves
-        start_step = checkpoint.resume(cfg, model, optimizer, scheduler, generator, log) if ckpt["enable"] else 0
+        start_step = checkpoint.resume(cfg, model, optimizer, scheduler, position, log) if ckpt["enable"] else 0
         if start_step >= t["steps"]:
             log(f"checkpoint: step {start_step} is the last of training.steps = {t['steps']}; nothing to train")
             return
 
-        data = batches(train_data, t["local_batch_size"], t["seq_len"], generator, dp_mesh)
         run = train_loop(model, optimizer, scheduler, data, range(start_step + 1, t["steps"] + 1), cfg, device,
-                         dp_mesh, launch.rank, log, generator=generator)
+                         dp_mesh, launch.rank, log, position=position)
         exit_if_signalled(run, device, launch.rank, f"after step {t['steps']}")  # a signal in the last save
         if ckpt["last_save_in_hf"]:
             checkpoint.save_hf(cfg, t["steps"], model, log)
             exit_if_signalled(run, device, launch.rank, "after the HF export")
-        held_out_loss = evaluate(model, held_out, cfg, device, dp_mesh, run.signals)
+        held_out_loss = evaluate(model, held_out_batches(corpus, cfg, dp_mesh), cfg, device, dp_mesh, run.signals)
         exit_if_signalled(run, device, launch.rank, "in the held-out loss")
         report.log_summary(cfg, run, held_out_loss, model, optimizer, device, log, peak)
-    except checkpoint.CheckpointError as e:  # a changed [model] at resume, a full disk
+    except checkpoint.CheckpointError as e:  # a changed [model] or data at resume, a full disk
         exit_with(f"error: {e}", launch.rank)
     finally:
         if dist.is_initialized():
@@ -94,8 +94,9 @@ def launch_env() -> Launch:
     return Launch(*(int(os.environ.get(name, default)) for name, default in defaults.items()))
 
 
-def config_or_exit(argv: list[str], launch: Launch) -> dict:
-    """The checked config, or exit 2 with one line (rank 0), before any process group exists."""
+def config_or_exit(argv: list[str], launch: Launch) -> tuple[dict, object]:
+    """The checked config and data (data.Corpus), or exit 2 with one line (rank 0), before any
+    process group exists."""
     if {"-h", "--help"} & set(argv):
         if launch.rank == 0:
             print(__doc__)
@@ -106,10 +107,11 @@ def config_or_exit(argv: list[str], launch: Launch) -> dict:
         check_resources(cfg, launch.local_world_size)
         if problem := tasks_without_torchrun() or several_nodes_restart_problem(launch):
             raise ConfigError(problem)
+        corpus = prepare(cfg)
         if warning := prepare_checkpoint_folder(cfg["checkpoint"], cfg["model"], rank0=launch.rank == 0):
             print(warning, file=sys.stderr)  # on a shared filesystem, rank 0 checks for all
-        return cfg
-    except ConfigError as e:
+        return cfg, corpus
+    except (ConfigError, DataError) as e:
         exit_with(f"config error: {e}", launch.rank, code=2)
 
 
@@ -133,36 +135,6 @@ def init_distributed(launch: Launch, timeout_s: int) -> torch.device:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None,
                                 timeout=datetime.timedelta(seconds=timeout_s), **store_for_this_restart(launch))
     return device
-
-
-# -----------------------------------------------------------------------------
-# data: bytes of the Python standard library's own source, on every machine, no download
-
-def load_stdlib_bytes(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, held_out) byte tensors. Files are read in sorted order; every 10th goes to
-    held_out. Third-party packages are skipped so the text is the same for one Python."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.relative_to(root).parts)
-    train, held_out, total = bytearray(), bytearray(), 0
-    for i, path in enumerate(files):
-        text = path.read_bytes()
-        (held_out if i % 10 == 0 else train).extend(text)
-        total += len(text)
-        if total >= max_bytes:
-            break
-    return torch.frombuffer(train, dtype=torch.uint8).long(), torch.frombuffer(held_out, dtype=torch.uint8).long()
-
-
-def batches(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator, dp_mesh=None):
-    """Endless (inputs, targets) of random windows. Every rank draws the global batch's starts from
-    one seeded generator and keeps its dp rank's share: one process with dp_size x batch_size sees it all."""
-    dp_rank, dp_size = (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
-    while True:
-        starts = torch.randint(len(data) - seq_len - 1, (batch_size * dp_size,), generator=generator)
-        starts = starts[dp_rank * batch_size : (dp_rank + 1) * batch_size]
-        x = torch.stack([data[s : s + seq_len] for s in starts])
-        y = torch.stack([data[s + 1 : s + seq_len + 1] for s in starts])
-        yield x, y
 
 
 # -----------------------------------------------------------------------------
@@ -190,8 +162,8 @@ def build_optimizer(model, t: dict):
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # In float32 also when FSDP computes in bfloat16, as torchtitan's loss does.
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    """The sum over target tokens (-100: none), in float32 also when FSDP computes in bfloat16, as torchtitan's."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum", ignore_index=-100)
 
 
 def vocab_parallel(logits: torch.Tensor):
@@ -199,29 +171,32 @@ def vocab_parallel(logits: torch.Tensor):
     return loss_parallel() if isinstance(logits, DTensor) else contextlib.nullcontext()
 
 
-def global_mean(value: torch.Tensor, dp_mesh) -> float:
-    """A per-rank scalar averaged over the dp ranks: with equal batches, the global-batch mean."""
-    value = (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()  # loss_parallel's: a DTensor
+def global_sum(value: torch.Tensor, dp_mesh) -> torch.Tensor:
+    """A per-rank scalar summed over the dp ranks (loss_parallel's loss is a DTensor)."""
+    value = (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
     if dp_mesh is not None:
-        dist.all_reduce(value, group=dp_mesh.get_group())  # SUM: gloo has no AVG
-    return value.item() / (dp_mesh.size() if dp_mesh is not None else 1)
+        dist.all_reduce(value, group=dp_mesh.get_group())
+    return value
 
 
 def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forward_logits,
-               dp_mesh=None, amp=contextlib.nullcontext()) -> tuple[float, float]:
-    """One forward/backward/update; returns (global-batch mean loss, grad norm before clipping)."""
+               dp_mesh=None, amp=contextlib.nullcontext(), position_ids=None) -> tuple[float, float]:
+    """One forward/backward/update; returns (the global batch's mean loss per target token, grad norm
+    before clipping). Ranks may hold different counts of targets: each backward is its sum over
+    all ranks' count, times the dp size that FSDP's gradient average divides by."""
+    targets = global_sum((y != -100).sum(), dp_mesh).item()
     with amp:  # parallelize.autocast: bfloat16 matmuls without FSDP
-        logits = forward(model, x)
+        logits = forward(model, x) if position_ids is None else forward(model, x, position_ids)
     with vocab_parallel(logits):
         loss = cross_entropy(logits, y)
-        loss.backward()
+        (loss * (dp_mesh.size() if dp_mesh is not None else 1) / targets).backward()
     # torchtitan's, which reduces the norm of DTensor (TP/FSDP-sharded) gradients (workarounds.py).
     grad_norm = clip_grad_norm_(model.parameters(), max_norm).item()  # of all ranks' gradients, on every rank
     if math.isfinite(grad_norm):  # else no update: train_loop stops the run before any save
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return global_mean(loss, dp_mesh), grad_norm
+    return (global_sum(loss, dp_mesh) / targets).item(), grad_norm
 
 
 # -----------------------------------------------------------------------------
@@ -237,7 +212,7 @@ class Run:
 
 
 def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, device, dp_mesh=None, rank: int = 0,
-               log=print, forward=forward_logits, generator=None, t_start: float = T_START) -> Run:
+               log=print, forward=forward_logits, position=None, t_start: float = T_START) -> Run:
     """Train `steps`, timing each, logging each, saving on [checkpoint]'s interval. A non-finite loss
     or gradient norm, a recompile (after step 1, with compile.fail_on_recompile) or SIGTERM stops the
     run in one line."""
@@ -245,9 +220,10 @@ def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, devic
     run, amp = Run(steps, [], [], signals=note_stop_signals()), autocast(cfg, device.type)
     for step in steps:
         step_start = time.perf_counter()
-        x, y = (z.to(device) for z in next(data))
+        x, y, position_ids = (z if z is None else z.to(device) for z in next(data))
         with stop_on_recompile(step, rank):
-            loss, grad_norm = train_step(model, optimizer, scheduler, x, y, t["max_norm"], forward, dp_mesh, amp)
+            loss, grad_norm = train_step(model, optimizer, scheduler, x, y, t["max_norm"], forward, dp_mesh, amp,
+                                         position_ids)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # global: every rank stops here, before any save
             what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}, not applied"
             exit_with(f"error: step {step}: {what}; check training.lr, training.max_norm and [model]"
@@ -263,7 +239,7 @@ def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, devic
             f"{report.tokens_per_step(cfg) / run.step_times[-1]:7.0f} tokens/s | {time.perf_counter() - t_start:6.1f} s")
         signum, saved = agreed_signal(run.signals, device), None
         if ckpt["enable"] and (step % ckpt["interval"] == 0 or step == t["steps"] or signum):
-            saved = checkpoint.save(cfg, step, model, optimizer, scheduler, generator, log)
+            saved = checkpoint.save(cfg, step, model, optimizer, scheduler, position, log)
         if signum:
             exit_with(f"stopped by {signal.Signals(signum).name} after step {step}; "
                       + (f"saved {saved}" if saved else "checkpoints are off: nothing saved"), rank, code=128 + signum)
@@ -323,25 +299,24 @@ def stop_on_recompile(step: int, rank: int):
 
 
 @torch.no_grad()
-def evaluate(model, data: torch.Tensor, cfg: dict, device: torch.device, dp_mesh=None, signals=()) -> float | None:
-    """Mean loss on held-out batches (the global batch, split over the dp ranks; None for none), up
-    to a stop signal in `signals`. Eager, so that no_grad, which the compiled blocks were not traced
-    under, compiles no other graph."""
-    t = cfg["training"]
-    it = batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"] + 1), dp_mesh)
-    losses = []
+def evaluate(model, held_out, cfg: dict, device: torch.device, dp_mesh=None, signals=()) -> float | None:
+    """The mean loss per target token of data.eval_batches held-out batches (`held_out`: data.held_out_batches;
+    None for none), up to a stop signal in `signals`. Eager, so that no_grad, which the compiled blocks
+    were not traced under, compiles no other graph."""
+    total = targets = 0
     model.eval()
     with torch.compiler.set_stance("force_eager"):
-        for _ in range(cfg["data"]["eval_batches"]):
+        for _ in range(cfg["data"]["eval_batches"] if held_out is not None else 0):
             if agreed_signal(signals, device):
                 break
-            x, y = (z.to(device) for z in next(it))
+            x, y, position_ids = (z if z is None else z.to(device) for z in next(held_out))
             with autocast(cfg, device.type):
-                logits = forward_logits(model, x)
+                logits = forward_logits(model, x, position_ids)
             with vocab_parallel(logits):
-                losses.append(global_mean(cross_entropy(logits, y), dp_mesh))
+                total += global_sum(cross_entropy(logits, y), dp_mesh).item()
+            targets += global_sum((y != -100).sum(), dp_mesh).item()
     model.train()
-    return sum(losses) / len(losses) if losses else None
+    return total / targets if targets else None
 
 
 if __name__ == "__main__":
