@@ -1,6 +1,7 @@
 """config.toml and `--section.key value` overrides: every key, its type, and the checks on it,
 all made before any process group starts, so a bad value stops the run with one line."""
 
+import logging
 import math
 import os
 import shutil
@@ -18,7 +19,7 @@ from model import DECODER_LAYERS, hf_config
 
 SCHEMA = {  # every key and its type, in config.toml's order
     "model": dict(hidden_size=int, num_hidden_layers=int, num_attention_heads=int, num_key_value_heads=int,
-                  head_dim=int, intermediate_size=int, vocab_size=int, tie_word_embeddings=bool, rms_norm_eps=float,
+                  intermediate_size=int, vocab_size=int, tie_word_embeddings=bool, rms_norm_eps=float,
                   max_position_embeddings=int, attn_implementation=str,
                   rope_parameters=dict),  # any RoPE transformers' Llama takes, checked by LlamaConfig
     "training": dict(steps=int, local_batch_size=int, seq_len=int, lr=float, warmup_steps=int, max_norm=float,
@@ -88,15 +89,12 @@ def load_config(path: str, world_size: int, overrides: dict[str, object] | None 
             table = table.setdefault(name, {})
             require(isinstance(table, dict), f"--{dotted}: {name} is not a table")
         table[key] = value  # an unknown name fails validation like the file's
-    c = cfg.get("checkpoint", {})
-    if c.get("enable") is True and c.get("initial_load_in_hf") is True and c.get("initial_load_path"):
-        cfg["model"] = model_from_hf_folder(Path(c["initial_load_path"]), cfg.get("model", {}), {
-            name.split(".", 1)[1]: value for name, value in (overrides or {}).items() if name.startswith("model.")})
-    validate(cfg, world_size)
+    validate(cfg, world_size, overrides)
     return cfg
 
 
-NOT_IN_MODEL = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}  # what LlamaForCausalLM builds here
+# What LlamaConfig defaults to and [model] has no key for; every Llama on the Hub has these.
+NOT_IN_MODEL = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "head_dim": "hidden_size / heads"}
 
 
 def model_from_hf_folder(path: Path, model: dict, overrides: dict) -> dict:
@@ -110,9 +108,9 @@ def model_from_hf_folder(path: Path, model: dict, overrides: dict) -> dict:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{name}: transformers cannot read its config.json: {str(e).strip().splitlines()[0]}") from None
     require(raw.get("model_type") == "llama", f"{name} holds a {raw.get('model_type')!r} model, not a Llama")
-    for key, built in NOT_IN_MODEL.items():
+    for key, built in {**NOT_IN_MODEL, "head_dim": config.hidden_size // config.num_attention_heads}.items():
         require(getattr(config, key) == built, f"{name} has {key} = {getattr(config, key)!r}; this trainer's Llama "
-                f"has {key} = {built!r}")
+                f"has {key} = {NOT_IN_MODEL[key]!r}")
     found = {key: getattr(config, key) for key in SCHEMA["model"] if key != "attn_implementation"}
     found["attn_implementation"] = model.get("attn_implementation", "sdpa")
     for dotted, value in overrides.items():
@@ -124,9 +122,14 @@ def model_from_hf_folder(path: Path, model: dict, overrides: dict) -> dict:
     return found
 
 
-def validate(cfg: dict, world_size: int) -> None:
+def validate(cfg: dict, world_size: int, overrides: dict | None = None) -> None:
     """Raise ConfigError naming the first field that breaks a rule, section by section, in
-    SCHEMA's order; resolve a -1 parallelism degree. Nothing is written."""
+    SCHEMA's order; resolve a -1 parallelism degree; [model] from an HF folder, which the
+    command line's `overrides` must agree with. Nothing is written."""
+    c = cfg.get("checkpoint", {})
+    if c.get("enable") is True and c.get("initial_load_in_hf") is True and c.get("initial_load_path"):
+        cfg["model"] = model_from_hf_folder(Path(c["initial_load_path"]), cfg.get("model", {}), {
+            name.split(".", 1)[1]: value for name, value in (overrides or {}).items() if name.startswith("model.")})
     check_table(cfg, SCHEMA)
     check_model(cfg["model"])
     check_training(cfg["training"], cfg["model"])
@@ -163,21 +166,37 @@ def check_table(values: dict, fields: dict, prefix: str = "") -> None:
 
 def check_model(m: dict) -> None:
     require_positive(m, "model", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings")
-    require(m["num_attention_heads"] % m["num_key_value_heads"] == 0, f"model.num_attention_heads = "
-            f"{m['num_attention_heads']} must be divisible by model.num_key_value_heads = {m['num_key_value_heads']}")
+                     "intermediate_size", "vocab_size", "max_position_embeddings")
+    for a, b in (("hidden_size", "num_attention_heads"), ("num_attention_heads", "num_key_value_heads")):
+        require(m[a] % m[b] == 0, f"model.{a} = {m[a]} must be divisible by model.{b} = {m[b]}")
     rope, types = m["rope_parameters"], ["default", *ROPE_INIT_FUNCTIONS]
     require(rope.get("rope_type") in types, f"model.rope_parameters.rope_type = {rope.get('rope_type')!r} must be one "
             f"of transformers' {types}")
-    try:
-        hf_config(m)  # transformers checks each RoPE type's keys
-    except (KeyError, ValueError, TypeError) as e:
-        raise ConfigError(f"model.rope_parameters = {rope}: {str(e).strip(chr(34))}") from None
+    theta = rope.get("rope_theta")
+    require(type(theta) in (int, float) and math.isfinite(theta) and theta > 0,
+            f"model.rope_parameters.rope_theta = {theta} must be finite and > 0")
+    if problem := rope_problem(m):
+        raise ConfigError(f"model.rope_parameters = {rope}: {problem}")
     require(m["attn_implementation"] != "flex_attention", "model.attn_implementation = 'flex_attention' is refused: "
             "torch 2.15 has no FlexAttention backward on CPU, and it has not trained on a GPU here; use 'sdpa'")
     require(m["attn_implementation"] in ("sdpa", "eager"),
             f"model.attn_implementation = {m['attn_implementation']!r} must be 'sdpa' or 'eager' "
             "(the masks model.forward_logits builds for the whole sequence)")
+
+
+def rope_problem(m: dict) -> str | None:
+    """transformers' check of [model]'s RoPE keys and values, whose warnings (a factor < 1, an
+    unknown key) are errors here."""
+    warnings, handler = [], logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        hf_config(m)
+    except (KeyError, ValueError, TypeError) as e:
+        return str(e).strip('"')
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    return next((w for w in warnings if "rope" in w.lower()), None)
 
 
 def check_training(t: dict, m: dict) -> None:
@@ -329,7 +348,7 @@ def peak_per_rank(cfg: dict) -> dict[str, float]:
     in float32 elements per token as counted by saved-tensor hooks (test_config.py)."""
     m, t, p = cfg["model"], cfg["training"], cfg["parallelism"]
     tp, layers, h, v, heads = p["tp"], m["num_hidden_layers"], m["hidden_size"], m["vocab_size"], m["num_attention_heads"]
-    kv, i = m["head_dim"] * m["num_key_value_heads"], m["intermediate_size"]
+    kv, i = h * m["num_key_value_heads"] // heads, m["intermediate_size"]
     block = (8 * h + 2 * kv + 4 * i + heads) / tp + 2 * h * (1 - 1 / tp)  # attention's and the MLP's inputs gathered
     head = 2 * h / tp + h + 2 * v / (tp if p["loss_parallel"] else 1)  # norm, lm_head's input, logits and their grad
     kept = block * layers if cfg["activation_checkpoint"]["mode"] == "none" else h / tp * layers + block  # AC: inputs

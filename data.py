@@ -176,7 +176,7 @@ def load_documents(path: str):
 
 def split_documents(table) -> tuple:
     """(train, held_out): every 10th document held out, as the standard library's files."""
-    return table.select(i for i in range(len(table)) if i % 10), table.select(range(0, len(table), 10))
+    return table.select([i for i in range(len(table)) if i % 10]), table.select(range(0, len(table), 10))
 
 
 def count_tokens(table, tokenizer, enough: int) -> int:

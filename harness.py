@@ -145,7 +145,7 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
         train.clip_grad_norm_ = clip_and_save_step_1_gradients
     try:
         for _ in range(t["steps"]):
-            x, y = next(batches)
+            x, y, _ = next(batches)
             loss, grad_norm = train.train_step(model, optimizer, scheduler, x, y, t["max_norm"], dp_mesh=dp_mesh, amp=amp)
             result["losses"].append(loss)
             result["grad_norms"].append(grad_norm)
@@ -214,3 +214,80 @@ def join_gloo(rank: int, world_size: int, port: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+
+
+# -----------------------------------------------------------------------------
+# a user's own Llama folder, tokenizer and documents, made here: nothing downloads
+
+def make_tokenizer(folder: Path, vocab_size: int = 400) -> Path:
+    """A byte-level BPE tokenizer trained on a few KB of the standard library (the `tokenizers`
+    library), as the Hub keeps Llama 3's: tokenizer.json whose post-processor adds <s> (BOS),
+    and tokenizer_config.json naming BOS and EOS."""
+    import json
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()[:8000]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
+HUB_LLAMAS = {  # small Llamas with the Hub's config.json keys (transformers 4's rope_scaling and rope_theta)
+    "llama3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_BLOCKS, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=128256, tie_word_embeddings=True,
+                   max_position_embeddings=131072, rms_norm_eps=1e-5, bos_token_id=128000, eos_token_id=128001,
+                   rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192}, rope_theta=500000.0,
+                   torch_dtype="bfloat16"),  # Llama 3.2 1B's kinds of values: tied, GQA, bfloat16
+    "llama2": dict(hidden_size=64, intermediate_size=160, num_hidden_layers=NUM_BLOCKS, num_attention_heads=4,
+                   num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=4096,
+                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, rope_scaling=None, rope_theta=10000.0,
+                   torch_dtype="float32"),  # Llama 2 / TinyLlama's: untied, no head_dim key, default RoPE
+}
+
+
+def make_hub_llama(folder: Path, kind: str, seed: int = 0) -> Path:
+    """A randomly initialised Llama of HUB_LLAMAS[kind] as a Hub folder: the weights in its dtype
+    (model.safetensors, no tied lm_head), config.json as transformers 4 wrote it."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hub = dict(HUB_LLAMAS[kind])
+    legacy = {key: hub.pop(key) for key in ("rope_scaling", "rope_theta", "torch_dtype")}
+    rope = {"rope_type": "default", **(legacy["rope_scaling"] or {}), "rope_theta": legacy["rope_theta"]}
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**hub, rope_parameters=rope)).to(getattr(torch, legacy["torch_dtype"]))
+    model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    for key in ("rope_parameters", "dtype", "transformers_version") + (("head_dim",) if "head_dim" not in hub else ()):
+        config.pop(key, None)
+    config.update(legacy, transformers_version="4.45.0")
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def make_documents(path: Path, count: int = 40, seed: int = 0) -> Path:
+    """`count` documents of different lengths, cut from the standard library, as JSON lines with a `text` field."""
+    import json
+    import random
+    import sysconfig
+
+    texts = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("[a-m]*.py"))
+    rng = random.Random(seed)
+    lines = []
+    for i in range(count):
+        text = texts[i % len(texts)].read_text(errors="replace")
+        start = rng.randrange(max(1, len(text) - 3000))
+        lines.append(json.dumps({"id": i, "text": text[start : start + rng.randrange(40, 1500)]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -40,7 +40,7 @@ def run(size: str, dp_shard: int, tp: int, hf: Path | None, allocator: dict, ext
     if hf:
         shutil.rmtree(hf.parent / "ckpt", ignore_errors=True)  # the last run's step 2 would leave nothing to train
         model += ["--checkpoint.enable", "true", "--checkpoint.folder", str(hf.parent / "ckpt"),
-                  "--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf", "true"]
+                  "--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf", "true", "--data.tokenizer", "bytes"]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={dp_shard * tp}", str(HERE / "train.py"),
            *FLAGS, *model, "--parallelism.dp_shard", str(dp_shard), "--parallelism.tp", str(tp)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **allocator})

@@ -88,5 +88,7 @@ def forward_logits(model, input_ids, position_ids=None):
     one_kind = "full_attention" if getattr(model.config, "sliding_window", None) is None else "sliding_attention"
     masks = {kind: MASKS[kind](model.config, shape, None, None, position_ids, allow_is_causal_skip=not packed)
              for kind in set(kinds or [one_kind])}
+    if packed:  # HF expands a batch without restarts from one row: the compiled blocks' guards want one layout
+        masks = {kind: mask.contiguous() for kind, mask in masks.items()}
     return model(input_ids=input_ids, attention_mask=masks if kinds else masks[one_kind],
                  position_ids=position_ids, use_cache=False).logits

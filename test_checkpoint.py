@@ -298,7 +298,7 @@ def test_hf_export_loads_in_stock_transformers_and_starts_a_new_run(tmp_root, tm
     held_out = float(full.split("(held-out ")[1].split(")")[0])
     assert stock["held_out"] == pytest.approx(held_out, abs=1e-4)
     out = _train(2, [*_ckpt_args(tmp_path / "new"), "--training.steps", "1", "--checkpoint.initial_load_path",
-                     str(export), "--checkpoint.initial_load_in_hf", "true"])
+                     str(export), "--checkpoint.initial_load_in_hf", "true", "--data.tokenizer", "bytes"])
     assert "loaded the HF weights of" in out, out[-3000:]
     assert _step_losses(out)[1] == pytest.approx(stock["first_batch"], abs=1e-4)
     # The same weights from the run's own DCP checkpoint (model only), on one process.
@@ -334,7 +334,7 @@ def test_tied_hf_folder_from_stock_transformers_trains_and_exports_tied(tmp_path
     folder = tmp_path / "run"
     out = _train(2, [*SMALL, "--model.tie_word_embeddings", "true", "--training.steps", "1", "--checkpoint.enable",
                      "true", "--checkpoint.folder", str(folder), "--checkpoint.initial_load_path", str(stock_folder),
-                     "--checkpoint.initial_load_in_hf", "true", "--checkpoint.last_save_in_hf", "true"])
+                     "--checkpoint.initial_load_in_hf", "true", "--checkpoint.last_save_in_hf", "true", "--data.tokenizer", "bytes"])
     assert _step_losses(out)[1] == pytest.approx(stock["first_batch"], abs=1e-5)
     export = folder / "step-1-hf"
     with safe_open(export / "model.safetensors", "pt") as f:
@@ -342,11 +342,11 @@ def test_tied_hf_folder_from_stock_transformers_trains_and_exports_tied(tmp_path
     exported = _stock_hf(export)
     assert exported["tied"], "stock transformers loads the export untied"
     assert exported["held_out"] == pytest.approx(float(out.split("(held-out ")[1].split(")")[0]), abs=1e-4)
-    # An untied [model] names the difference in one line.
-    with pytest.raises(ConfigError, match="config.json has tie_word_embeddings = True, \\[model\\] has False"):
-        validate(small_config(**{"model.num_hidden_layers": 2, "checkpoint.enable": True,
-                                 "checkpoint.initial_load_path": str(stock_folder),
-                                 "checkpoint.initial_load_in_hf": True}), world_size=2)
+    # An untied --model key names the difference in one line.
+    with pytest.raises(ConfigError, match="--model.tie_word_embeddings = False, but .*config.json has "
+                                          "tie_word_embeddings = True \\(as transformers reads it\\)"):
+        validate(small_config(**{"checkpoint.enable": True, "checkpoint.initial_load_path": str(stock_folder),
+                                 "checkpoint.initial_load_in_hf": True}), 2, {"model.tie_word_embeddings": False})
 
 
 def test_bad_checkpoint_input_is_one_line(tmp_root, tmp_path):
@@ -366,9 +366,9 @@ def test_bad_checkpoint_input_is_one_line(tmp_root, tmp_path):
         ({"checkpoint.initial_load_path": str(tmp_path / "nope")}, "checkpoint.initial_load_path = '{}' does not exist"),
         ({"checkpoint.initial_load_path": str(a_file)}, "checkpoint.initial_load_path = '{}' is not a folder"),
         ({"checkpoint.initial_load_path": str(export), "checkpoint.initial_load_in_hf": True,
-          "model.hidden_size": 128}, "does not fit [model]: config.json has hidden_size = 256, [model] has 128"),
+          "model.hidden_size": 128}, "--model.hidden_size = 128, but {}/config.json has hidden_size = 256"),
         ({"checkpoint.initial_load_path": str(wrong_shape), "checkpoint.initial_load_in_hf": True},
-         "does not fit [model]: model.norm.weight has shape [128] there, [256] for [model]"),
+         "does not fit its config.json: model.norm.weight has shape [128] there, [256] for [model]"),
         ({"checkpoint.initial_load_path": str(export)}, "is not a complete DCP checkpoint"),
         ({"checkpoint.folder": str(a_file)}, "checkpoint.folder = '{}' is a file, not a folder"),
         ({"checkpoint.interval": 0}, "checkpoint.interval = 0 must be positive"),
@@ -377,8 +377,8 @@ def test_bad_checkpoint_input_is_one_line(tmp_root, tmp_path):
     ]
     for overrides, message in cases:
         path = overrides.get("checkpoint.initial_load_path", overrides.get("checkpoint.folder", ""))
-        with pytest.raises(ConfigError) as e:
-            validate(small_config(**{**small, **overrides}), world_size=2)
+        with pytest.raises(ConfigError) as e:  # [model] keys as given on the command line
+            validate(small_config(**{**small, **overrides}), 2, {k: v for k, v in overrides.items() if "model." in k})
         assert message.format(path) in str(e.value), overrides
     # The launcher's view: one line, no step, nothing written.
     proc = _torchrun(*SMALL, "--checkpoint.enable", "true", "--checkpoint.folder", str(tmp_path / "unused"),
@@ -495,7 +495,7 @@ def _fused_family_main(rank: int, port: int, folder: str) -> None:
             batches = train.batches(data, t["local_batch_size"], t["seq_len"], generator, dp_mesh)
             losses = []
             for step in steps:
-                losses.append(train.train_step(model, optimizer, scheduler, *next(batches), t["max_norm"], dp_mesh=dp_mesh)[0])
+                losses.append(train.train_step(model, optimizer, scheduler, *next(batches)[:2], t["max_norm"], dp_mesh=dp_mesh)[0])
                 if step == save_after:
                     checkpoint.save(in_folder(family), step, model, optimizer, scheduler, generator, quiet)
             return losses

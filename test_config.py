@@ -54,7 +54,9 @@ def test_bad_config_names_field_and_constraint(overrides, message):
     (("data",), "missing section [data]"),
     (("training", "seed"), "missing key training.seed (int)"),
     (("model", "rope_parameters"), "missing key model.rope_parameters (table)"),
-    (("model", "rope_parameters", "factor"), "missing key model.rope_parameters.factor (float)"),
+    (("model", "rope_parameters", "factor"), "model.rope_parameters = {'rope_type': 'llama3', 'rope_theta': 500000.0, "
+     "'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192}: Missing required "
+     "keys in `rope_parameters` for 'rope_type'='llama3': {'factor'}"),  # transformers' check
 ])
 def test_missing_section_or_key_is_named_with_its_type(path, message):
     cfg = small_config()
@@ -106,9 +108,11 @@ def test_command_line_overrides_are_toml_literals_or_text():
     (["--training.steps"], "--training.steps needs a value"),
     (["training.steps", "3"], "unexpected argument 'training.steps'"),
     (["--steps", "3"], "unknown option --steps"),
-    (["--model.rope_parameters.scale", "2.0"], "unknown key model.rope_parameters.scale; known: rope_type,"),
-    (["--model.rope_parameters.factor", "big"], "model.rope_parameters.factor = 'big' must be of type float"),
-    (["--model.rope_parameters.rope_type", "linear"], "model.rope_parameters.rope_type = 'linear' must be 'llama3'"),
+    # transformers' RoPE check, whose warnings are errors here
+    (["--model.rope_parameters.scale", "2.0"], "Unrecognized keys in `rope_parameters` for 'rope_type'='llama3': {'scale'}"),
+    (["--model.rope_parameters.factor", "big"], "`rope_parameters`'s factor field must be a float or int >= 1, got big"),
+    (["--model.rope_parameters.rope_type", "bogus"], "model.rope_parameters.rope_type = 'bogus' must be one of "
+     "transformers' ['default', 'linear', 'dynamic', 'yarn', 'longrope', 'llama3'"),
     (["--model.rope_parameters", "3"], "model.rope_parameters = 3 must be a table"),
     (["--model.hidden_size.x", "3"], "--model.hidden_size.x: hidden_size is not a table"),
 ])
@@ -222,7 +226,7 @@ def test_a_schedulers_tasks_without_torchrun_stop_in_one_line(monkeypatch, capsy
         monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", tasks)
         if world_size:
             monkeypatch.setenv("WORLD_SIZE", world_size)
-        assert train.config_or_exit([], train.launch_env())["parallelism"]["tp"] == int(world_size or 1)
+        assert train.config_or_exit([], train.launch_env())[0]["parallelism"]["tp"] == int(world_size or 1)
 
 
 def test_too_many_processes_for_the_gpus_is_a_config_error(monkeypatch):

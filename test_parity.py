@@ -98,7 +98,7 @@ def test_trainer_losses_equal_torchtitans_model_on_the_same_batches(tmp_root):
     batches = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
     losses, grad_norms = [], []
     for _ in range(TITAN_STEPS):
-        x, y = next(batches)
+        x, y, _ = next(batches)
         loss, grad_norm = train.train_step(titan, optimizer, scheduler, x, y, t["max_norm"], lambda m, x: m(x))
         losses.append(loss)
         grad_norms.append(grad_norm)

@@ -196,7 +196,7 @@ def run_recipes(tmp_root: str) -> dict:
     data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
     it = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
     batches_path = Path(tmp_root) / "readme-batches.pt"
-    torch.save([next(it) for _ in range(t["steps"])], batches_path)
+    torch.save([next(it)[:2] for _ in range(t["steps"])], batches_path)
     outs = {name: (case, str(Path(tmp_root) / f"readme-case-{i}.json")) for i, (name, case) in enumerate(cases().items())}
     spawn(_rank_main, lambda port: (port, list(outs.values()), cfg, str(batches_path)), TP, f"README's recipes on {TP} ranks")
     results = {name: {**json.loads(Path(out).read_text()), "grads": f"{out}.grads.pt"} for name, (_, out) in outs.items()}

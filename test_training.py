@@ -167,16 +167,17 @@ def test_bfloat16_policy_computes_in_bfloat16_and_reduces_in_the_reduce_dtype(tm
 HALF_LENGTH_AFTER_STEP_ONE = """
 import sys
 sys.path.insert(0, {here!r})
+import data
 import train
 
-full_length = train.batches
+full_length = data.batches
 
 def batches(data, batch_size, seq_len, *args):
     it = full_length(data, batch_size, seq_len, *args)
     yield next(it)
     yield from full_length(data, batch_size, seq_len // 2, *args)  # a new shape from step 2 (32 per TP rank: 16)
 
-train.batches = batches
+data.batches = batches
 train.exit_without_finalizing(train.main)
 """
 
