@@ -288,6 +288,6 @@ def make_documents(path: Path, count: int = 40, seed: int = 0) -> Path:
     for i in range(count):
         text = texts[i % len(texts)].read_text(errors="replace")
         start = rng.randrange(max(1, len(text) - 3000))
-        lines.append(json.dumps({"id": i, "text": text[start : start + rng.randrange(40, 1500)]}))
+        lines.append(json.dumps({"id": i, "text": text[start : start + rng.randrange(10, 120)]}))
     path.write_text("\n".join(lines) + "\n")
     return path

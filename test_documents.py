@@ -1,0 +1,289 @@
+"""Your Llama and your text: a Hub-format folder by one path, its tokenizer, your documents packed
+with block-causal masks under TP + SP, the loss per target token, the data position in checkpoints,
+and the one-line refusals. Folders, tokenizer and documents are made here (harness.py)."""
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from conftest import TP, _losses, _torchrun, assert_every_gradient_matches, small_config, spawn
+from harness import free_port, join_gloo, make_documents, make_hub_llama, make_tokenizer, whole_gradients
+
+STEPS = ("--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
+         "--data.eval_batches", "1", "--metrics.measure_cpu_peak", "false")
+
+
+@functools.cache
+def user_files(root: str) -> dict:
+    """Two Hub-format Llamas (Llama 3.2-like: legacy rope_scaling, bfloat16, tied, GQA, 128,256 ids;
+    Llama 2-like: default RoPE, untied), each with a tokenizer, and 40 documents as JSON lines."""
+    folders = {kind: make_tokenizer(make_hub_llama(Path(root) / kind, kind)) for kind in ("llama3", "llama2")}
+    return {**folders, "docs": make_documents(Path(root) / "docs.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict:
+    return user_files(str(tmp_path_factory.mktemp("user")))
+
+
+def packed_batch(docs: Path, tokenizer_folder: Path, dp_size: int, batch_size: int, seq_len: int):
+    """The global batch step 1 trains on, packed here without the project's code: dp rank r's share
+    is training documents r, r + dp, ... (every 10th held out), each with its tokenizer's BOS and an
+    EOS, laid end to end; a window's positions restart at each document, whose first token is no target."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    texts = [json.loads(line)["text"] for line in docs.read_text().splitlines()]
+    train = [text for i, text in enumerate(texts) if i % 10]
+    rows = []
+    for rank in range(dp_size):
+        ids, starts = [], []
+        for text in train[rank::dp_size]:
+            doc = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+            ids, starts = ids + doc, starts + [True] + [False] * (len(doc) - 1)
+        for b in range(batch_size):
+            window, start = ids[b * seq_len : (b + 1) * seq_len + 1], starts[b * seq_len : (b + 1) * seq_len + 1]
+            positions = []
+            for s in start[:-1]:
+                positions.append(0 if s or not positions else positions[-1] + 1)
+            rows.append((window[:-1], [-100 if s else i for i, s in zip(window[1:], start[1:])], positions))
+    return tuple(torch.tensor(column) for column in zip(*rows))
+
+
+def transformers_loss(folder: Path, x, y, position_ids, per_rank: int | None = None) -> float:
+    """Stock transformers' loss of the folder's model (float32) on the batch: HF builds the block-causal
+    mask from position_ids itself, without a cache only (with the Hub's use_cache = true it attends
+    across documents). The mean per target token; `per_rank`: the mean of each dp rank's mean
+    instead (rows per rank), what a loss averaged per rank would give."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=x, position_ids=position_ids, use_cache=False).logits
+    losses = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)
+    if per_rank:
+        return torch.stack([losses[i : i + per_rank].sum() / (y[i : i + per_rank] != -100).sum()
+                            for i in range(0, len(y), per_rank)]).mean().item()
+    return (losses.sum() / (y != -100).sum()).item()
+
+
+@pytest.mark.parametrize("kind, nproc, dp_shard", [("llama3", 2, 1), ("llama2", 2, 1), ("llama3", 4, 2), ("llama2", 4, 2)])
+def test_a_hub_folder_trains_on_your_documents_with_transformers_loss(files, tmp_path, kind, nproc, dp_shard):
+    """One path to the model: [model] is its config.json as transformers reads it (the Llama 3 folder
+    is in transformers 4's format), its tokenizer packs the documents; 1 graph, 0 recompiles; step 1's
+    loss is stock transformers' on the same packed batch. On dp_shard 2 the ranks hold different counts
+    of targets: the loss is per target token of the global batch, not a mean of the ranks' means."""
+    proc = _torchrun(*STEPS, "--checkpoint.enable", "true", "--checkpoint.folder", str(tmp_path / "ckpt"),
+                     "--checkpoint.initial_load_path", str(files[kind]), "--checkpoint.initial_load_in_hf", "true",
+                     "--data.path", str(files["docs"]), "--parallelism.dp_shard", str(dp_shard),
+                     launcher=(f"--nproc_per_node={nproc}", f"--master_port={free_port()}"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compiled graphs      1 for" in proc.stdout and "recompiles           0" in proc.stdout, proc.stdout[-2000:]
+    x, y, position_ids = packed_batch(files["docs"], files[kind], dp_shard, 2, 64)
+    assert (position_ids == 0).sum() > len(x), "no window packs two documents"
+    assert _losses(proc.stdout)[0] == pytest.approx(transformers_loss(files[kind], x, y, position_ids), abs=1e-5)
+
+
+# the loss per target token when dp ranks hold different counts of targets ---------------------
+
+def uneven_batch():
+    """dp rank 0's two rows keep 6 targets, rank 1's all but 2 (-100: none)."""
+    x = torch.randint(3, 256, (4, 64), generator=torch.Generator().manual_seed(1))
+    y = torch.roll(x, -1, 1)
+    y[:2, 3:] = -100
+    y[2:, :1] = -100
+    return x, y
+
+
+def _uneven_rank(rank: int, port: int, out: str) -> None:
+    """dp_shard 2 (FSDP2): train.train_step on this rank's rows, its loss and step-1 gradients."""
+    import parallelize
+    import train
+
+    join_gloo(rank, 2, port)
+    cfg = small_config(**{"parallelism.dp_shard": 2, "parallelism.tp": 1})
+    parallel_dims = parallelize.build_parallel_dims(cfg, 2, "cpu")
+    model, optimizer, scheduler = train.build_training(cfg, torch.device("cpu"), parallel_dims)
+    clip, grads = train.clip_grad_norm_, {}
+    train.clip_grad_norm_ = lambda parameters, max_norm: grads.update(whole_gradients(model)) or clip(parameters, max_norm)
+    x, y = uneven_batch()
+    loss, _ = train.train_step(model, optimizer, scheduler, x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2],
+                               1e9, dp_mesh=parallel_dims.get_optional_mesh("batch"))
+    if rank == 0:
+        torch.save({"loss": loss, "grads": grads}, out)
+        torch.save(grads, out + ".grads.pt")
+    dist.destroy_process_group()
+
+
+def test_ranks_with_different_counts_of_targets_give_the_one_process_loss_and_gradients(tmp_path):
+    """The loss is the global batch's mean per target token (a sum over ranks / a count over ranks),
+    not the mean of each rank's mean: on dp_shard 2 with 12 and 124 targets, one process's loss and
+    every parameter's gradient."""
+    import train
+
+    cfg = small_config(**{"parallelism.tp": 1, "compile.enable": False})
+    model, _, _ = train.build_training(cfg, torch.device("cpu"))
+    x, y = uneven_batch()
+    loss_sum = train.cross_entropy(train.forward_logits(model, x), y)
+    (loss_sum / (y != -100).sum()).backward()
+    reference = str(tmp_path / "one.grads.pt")
+    torch.save(whole_gradients(model), reference)
+    out = str(tmp_path / "uneven.pt")
+    spawn(_uneven_rank, lambda port: (port, out), 2, "uneven targets on dp_shard 2")
+    assert torch.load(out)["loss"] == pytest.approx((loss_sum / (y != -100).sum()).item(), abs=1e-5)
+    assert_every_gradient_matches({"grads": out + ".grads.pt"}, {"grads": reference}, rel=1e-5)
+
+
+# packed documents against the same documents alone -----------------------------------------
+
+DOCS = [[20, 30, 14], [40, 24]]  # document lengths per row of a 64-token window
+
+
+def packed_documents(seed: int = 0, changed: tuple[int, int] | None = None):
+    """Two rows packing DOCS of random ids; `changed`: that (row, document) drawn again."""
+    generator, rows = torch.Generator().manual_seed(seed), []
+    for r, lengths in enumerate(DOCS):
+        docs = [torch.randint(3, 256, (n,), generator=generator) for n in lengths]
+        if changed and changed[0] == r:
+            docs[changed[1]] = torch.randint(3, 256, (lengths[changed[1]],), generator=torch.Generator().manual_seed(99))
+        rows.append(docs)
+    x = torch.stack([torch.cat(docs) for docs in rows])
+    positions = torch.stack([torch.cat([torch.arange(len(d)) for d in docs]) for docs in rows])
+    y = torch.stack([torch.cat([torch.cat([d[1:], torch.tensor([-100])]) for d in docs]) for docs in rows])
+    return x, y, positions, rows  # y: each document's last token has no target here (its own alone neither)
+
+
+def per_document(logits: torch.Tensor, y: torch.Tensor) -> list[float]:
+    """Each document's loss, the mean over its targets."""
+    losses = []
+    for r, lengths in enumerate(DOCS):
+        start = 0
+        for n in lengths:
+            losses.append(F.cross_entropy(logits[r, start : start + n], y[r, start : start + n]).item())
+            start += n
+    return losses
+
+
+def _packed_rank(rank: int, port: int, out: str) -> None:
+    """TP 2 + SP + per-block compile: a packed batch's per-document losses, step-1 gradients, and
+    the logits again with one document changed."""
+    import parallelize
+    import train
+    from torch.distributed.tensor import DTensor
+
+    join_gloo(rank, TP, port)
+    cfg = small_config(**{"parallelism.tp": TP})
+    model, _, _ = train.build_training(cfg, torch.device("cpu"), parallelize.build_parallel_dims(cfg, TP, "cpu"))
+    x, y, positions, _ = packed_documents()
+    logits = train.forward_logits(model, x, positions)
+    with train.vocab_parallel(logits):
+        (train.cross_entropy(logits, y) / (y != -100).sum()).backward()
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    grads = whole_gradients(model)
+    x, _, positions, _ = packed_documents(changed=(0, 1))
+    with torch.no_grad():
+        changed, logits = full(train.forward_logits(model, x, positions)), full(logits).detach()  # collectives
+    if rank == 0:
+        torch.save({"logits": logits, "changed": changed}, out)
+        torch.save(grads, out + ".grads.pt")
+    dist.destroy_process_group()
+
+
+def one_process_alone(cfg: dict):
+    """The same model in one eager process, each document alone (no packing, no position_ids)."""
+    import train
+
+    cfg = {**cfg, "parallelism": {**cfg["parallelism"], "tp": 1}, "compile": {**cfg["compile"], "enable": False}}
+    model, _, _ = train.build_training(cfg, torch.device("cpu"))
+    _, y, _, rows = packed_documents()
+    sums, count = [], 0
+    for docs in rows:
+        for doc in docs:
+            logits = train.forward_logits(model, doc[None])
+            target = torch.cat([doc[1:], torch.tensor([-100])])[None]
+            sums.append(train.cross_entropy(logits, target))
+            count += len(doc) - 1
+    (sum(sums) / count).backward()
+    lengths = [n - 1 for row in DOCS for n in row]
+    return [s.item() / n for s, n in zip(sums, lengths)], whole_gradients(model), model
+
+
+def test_packed_documents_equal_each_document_alone_on_one_process_and_tp(tmp_path):
+    """Per-document losses and every parameter's step-1 gradient of a packed batch equal the same
+    documents run alone in one process, to 1e-5: packed in one process, and on TP 2 + SP + compile.
+    A changed document leaves its row-mates' logits unchanged."""
+    import train
+
+    cfg = small_config()
+    alone, alone_grads, model = one_process_alone(cfg)
+    x, y, positions, _ = packed_documents()
+    model.zero_grad()
+    logits = train.forward_logits(model, x, positions)
+    (train.cross_entropy(logits, y) / (y != -100).sum()).backward()
+    assert per_document(logits, y) == pytest.approx(alone, abs=1e-5)
+    for name, grad in whole_gradients(model).items():
+        assert ((grad - alone_grads[name]).norm() / alone_grads[name].norm()).item() <= 1e-5, name
+    out, reference = str(tmp_path / "packed-tp.pt"), str(tmp_path / "alone.grads.pt")
+    torch.save(alone_grads, reference)
+    spawn(_packed_rank, lambda port: (port, out), TP, "packed documents on 2 ranks")
+    tp = torch.load(out)
+    assert per_document(tp["logits"], y) == pytest.approx(alone, abs=1e-5)
+    assert_every_gradient_matches({"grads": out + ".grads.pt"}, {"grads": reference}, rel=1e-5)
+    row0, row1 = DOCS[0], DOCS[1]
+    kept = torch.cat([torch.arange(0, row0[0]), torch.arange(row0[0] + row0[1], sum(row0))])
+    assert torch.allclose(tp["changed"][0, kept], tp["logits"][0, kept], atol=1e-6)
+    assert torch.allclose(tp["changed"][1], tp["logits"][1], atol=1e-6)
+    assert not torch.allclose(tp["changed"][0, row0[0] : row0[0] + row0[1]], tp["logits"][0, row0[0] : row0[0] + row0[1]])
+
+
+
+# one line before any work -------------------------------------------------------------------
+
+SMALL_BATCH = ("--training.local_batch_size", "2", "--training.seq_len", "64")
+
+
+def test_each_data_problem_is_one_line_before_any_work(files, tmp_path, capsys, monkeypatch):
+    """Through train.config_or_exit (before any process group), exit 2 and one line naming the problem."""
+    import train
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "no-text.jsonl").write_text('{"body": "a document"}\n')
+    (tmp_path / "short.jsonl").write_text('{"text": "one short document"}\n' * 3)
+    small_vocabulary = make_hub_llama(tmp_path / "small-vocabulary", "llama2")  # 32,000 ids
+    capsys.readouterr()  # transformers' progress bars
+    hf = ["--checkpoint.enable", "true", "--checkpoint.folder", str(tmp_path / "ckpt"), "--checkpoint.initial_load_in_hf",
+          "true", "--checkpoint.initial_load_path"]
+    probes = [
+        (hf + [str(files["llama3"])], f"data.path is empty: the standard library's bytes, as ids 0-255, mean nothing "
+         f"to {files['llama3']}'s vocabulary of 128,256; set data.path to your documents, or data.tokenizer = bytes"),
+        (["--data.path", str(files["docs"])], "needs a tokenizer: set data.tokenizer to a folder with tokenizer.json"),
+        (["--data.path", str(files["docs"]), "--data.tokenizer", str(tmp_path)], f"{tmp_path} has no tokenizer "
+         "transformers can load"),
+        (["--data.path", str(files["docs"]), "--data.tokenizer", str(files["llama3"]), *SMALL_BATCH], None),  # 400 ids
+        (hf + [str(small_vocabulary), "--data.path", str(files["docs"]), "--data.tokenizer", "bytes", *SMALL_BATCH], None),
+        (["--data.path", str(tmp_path / "*.txt"), "--data.tokenizer", "bytes"], "matches no .txt, .jsonl, .json, .parquet file"),
+        (["--data.path", str(tmp_path / "no-text.jsonl"), "--data.tokenizer", "bytes"], "has no 'text' field (its fields: body)"),
+        (["--data.path", str(tmp_path / "short.jsonl"), "--data.tokenizer", "bytes"], "holds 36 training tokens (2 "
+         "documents, every 10th held out), fewer than one global batch's 2,049"),
+        (["--model.vocab_size", "128", "--data.path", str(files["docs"]), "--data.tokenizer", "bytes"],
+         "the bytes tokenizer has 256 ids, more than model.vocab_size = 128"),
+        (["--model.attn_implementation", "flex_attention"], "'flex_attention' is refused: torch 2.15 has no FlexAttention "
+         "backward on CPU"),
+        (hf + [str(files["llama3"]), "--model.num_hidden_layers", "6", "--data.path", str(files["docs"])],
+         f"--model.num_hidden_layers = 6, but {files['llama3']}/config.json has num_hidden_layers = 4 (as transformers reads it)"),
+    ]
+    for argv, message in probes:
+        if message is None:  # fits: the checks pass
+            train.config_or_exit(argv, train.launch_env())
+            continue
+        with pytest.raises(SystemExit) as exit:
+            train.config_or_exit(argv, train.launch_env())
+            pytest.fail(f"{argv} passed every check")
+        lines = capsys.readouterr().err.splitlines()
+        assert exit.value.code == 2 and len(lines) == 1 and message in lines[0], (argv, lines)
