@@ -4,6 +4,9 @@ and the one-line refusals. Folders, tokenizer and documents are made here (harne
 
 import functools
 import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import TP, _losses, _torchrun, assert_every_gradient_matches, small_config, spawn
+from conftest import TP, _losses, _torchrun, _torchrun_cmd, assert_every_gradient_matches, small_config, spawn
 from harness import free_port, join_gloo, make_documents, make_hub_llama, make_tokenizer, whole_gradients
 
 STEPS = ("--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
@@ -287,3 +290,27 @@ def test_each_data_problem_is_one_line_before_any_work(files, tmp_path, capsys, 
             pytest.fail(f"{argv} passed every check")
         lines = capsys.readouterr().err.splitlines()
         assert exit.value.code == 2 and len(lines) == 1 and message in lines[0], (argv, lines)
+
+
+# a killed run resumes at the same document and token ------------------------------------------
+
+def test_a_run_killed_after_a_save_resumes_at_the_same_document_and_token(files, tmp_path):
+    """TP 2: kill -9 every process once step 3 is saved; the same command resumes from the data
+    position each rank saved (epoch, document, token) and gives the uninterrupted run's losses."""
+    args = [*STEPS, "--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.initial_load_in_hf", "true",
+            "--checkpoint.initial_load_path", str(files["llama2"]), "--data.path", str(files["docs"])]
+    whole = _torchrun(*args, "--checkpoint.folder", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    resumed = [*args, "--checkpoint.folder", str(tmp_path / "killed"), "--checkpoint.interval", "3"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with subprocess.Popen(_torchrun_cmd(*resumed), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          env=env, start_new_session=True) as proc:
+        for line in proc.stdout:
+            if "checkpoint: saved step 3" in line:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run ended before its step-3 save"
+    again = _torchrun(*resumed)
+    assert again.returncode == 0 and "checkpoint: loaded step 3" in again.stdout, again.stderr[-3000:]
+    assert _losses(again.stdout) == pytest.approx(_losses(whole.stdout)[3:], abs=1e-6)
