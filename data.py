@@ -47,7 +47,7 @@ def prepare(cfg: dict) -> Corpus:
         raise DataError(f"data.path = {d['path']!r} needs a tokenizer: set data.tokenizer to a folder with "
                         "tokenizer.json, or bytes (ids 0-255)")
     tokenizer = load_tokenizer(source)
-    require_vocabulary(vocabulary_size(tokenizer), source, m)
+    require_vocabulary(256 if tokenizer == "bytes" else len(tokenizer), source, m)
     train, held_out = split_documents(load_documents(d["path"]))
     need = t["local_batch_size"] * cfg["parallelism"]["dp_shard"] * t["seq_len"] + 1
     if (have := count_tokens(train, tokenizer, need)) < need:
@@ -141,10 +141,6 @@ def encode(tokenizer, text: str) -> list[int]:
     ids = tokenizer(text, verbose=False)["input_ids"]
     eos = tokenizer.eos_token_id
     return ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
-
-
-def vocabulary_size(tokenizer) -> int:
-    return 256 if tokenizer == "bytes" else len(tokenizer)
 
 
 def load_documents(path: str):
