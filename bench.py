@@ -171,6 +171,7 @@ def worker(variant: str, args) -> None:
     import parallelize
     import report
     import train
+    from data import load_stdlib_bytes, random_windows
     from model import build_model
 
     launch = train.launch_env()
@@ -179,7 +180,7 @@ def worker(variant: str, args) -> None:
     t = cfg["training"]
     torch.set_float32_matmul_precision(t["float32_matmul_precision"])  # as train.main
     peak = report.peak_flops(device, cfg)
-    data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
+    data, _ = load_stdlib_bytes(cfg["data"]["max_bytes"])
     if variant == "titan":
         model, optimizer, scheduler = build_titan(cfg, device)
         forward = lambda model, x: model(x)  # noqa: E731
@@ -190,7 +191,7 @@ def worker(variant: str, args) -> None:
     else:
         model, optimizer, scheduler = train.build_training(cfg, device, parallelize.build_parallel_dims(cfg, launch.world_size, device.type))
         forward = train.forward_logits
-    batches = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
+    batches = random_windows(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
     run = train.train_loop(model, optimizer, scheduler, batches, range(1, t["steps"] + 1), cfg, device,
                            rank=launch.rank, log=lambda *a: None, forward=forward, t_start=T_START)
     peaks = report.gather_from_ranks(report.peak_memory_mib(device))

@@ -66,7 +66,7 @@ def training_batches(corpus: Corpus, cfg: dict, dp_mesh=None):
     t = cfg["training"]
     if isinstance(corpus.train, torch.Tensor):
         generator = torch.Generator().manual_seed(t["seed"])
-        return batches(corpus.train, t["local_batch_size"], t["seq_len"], generator, dp_mesh), generator
+        return random_windows(corpus.train, t["local_batch_size"], t["seq_len"], generator, dp_mesh), generator
     packed = PackedDocuments(corpus.train, corpus.tokenizer, t["local_batch_size"], t["seq_len"], dp_mesh)
     return iter(packed), packed
 
@@ -76,7 +76,7 @@ def held_out_batches(corpus: Corpus, cfg: dict, dp_mesh=None):
     t = cfg["training"]
     if isinstance(corpus.held_out, torch.Tensor):
         generator = torch.Generator().manual_seed(t["seed"] + 1)
-        return batches(corpus.held_out, t["local_batch_size"], t["seq_len"], generator, dp_mesh)
+        return random_windows(corpus.held_out, t["local_batch_size"], t["seq_len"], generator, dp_mesh)
     if len(corpus.held_out) < dp_coordinates(dp_mesh)[1]:
         return None
     return iter(PackedDocuments(corpus.held_out, corpus.tokenizer, t["local_batch_size"], t["seq_len"], dp_mesh))
@@ -100,7 +100,7 @@ def load_stdlib_bytes(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.frombuffer(train, dtype=torch.uint8).long(), torch.frombuffer(held_out, dtype=torch.uint8).long()
 
 
-def batches(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator, dp_mesh=None):
+def random_windows(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator, dp_mesh=None):
     """Endless (inputs, targets, None) of random windows: no position_ids, one causal sequence each.
     Every rank draws the global batch's starts from one seeded generator (the data position a
     checkpoint saves) and keeps its dp rank's share: one process with dp_size x batch_size sees it all."""

@@ -15,6 +15,7 @@ import parallelize
 import report
 import train
 from config import validate
+from data import load_stdlib_bytes, random_windows
 
 HERE = Path(__file__).parent
 STEPS = 3
@@ -88,7 +89,7 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
 
     validate(cfg, world_size)
     torch.set_float32_matmul_precision(cfg["training"]["float32_matmul_precision"])  # as train.main
-    data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
+    data, _ = load_stdlib_bytes(cfg["data"]["max_bytes"])
     t = cfg["training"]
     parallel_dims = parallelize.build_parallel_dims(cfg, world_size, device.type)
     dp_mesh = parallel_dims.get_optional_mesh("batch") if parallel_dims else None
@@ -130,7 +131,7 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
     if t["mixed_precision_param"] == "bfloat16":  # a plain callable: inductor's FX-graph cache is bypassed
         torch._inductor.config.post_grad_custom_post_pass = lambda graph: matmuls.update(
             str(n.meta["val"].dtype) for n in graph.nodes if n.target in MATMULS)
-    batches = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]), dp_mesh)
+    batches = random_windows(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]), dp_mesh)
     clip, amp = train.clip_grad_norm_, parallelize.autocast(cfg, device.type)  # bfloat16 without FSDP
 
     def clip_and_save_step_1_gradients(parameters, max_norm):  # clipped: what the optimizer applies

@@ -17,6 +17,7 @@ import torch
 from conftest import (HERE, _config_error_lines, _torchrun, again_if_a_rank_died_of_a_signal, free_port, small_config,
                       join_gloo, spawn)
 from config import ConfigError, validate
+from data import load_stdlib_bytes, random_windows
 from materialize import load_hf_slices
 
 
@@ -479,7 +480,7 @@ def _fused_family_main(rank: int, port: int, folder: str) -> None:
     validate(cfg, 4)
     t, quiet = cfg["training"], lambda *a: None
     in_folder = lambda name: {**cfg, "checkpoint": {**cfg["checkpoint"], "folder": str(Path(folder, name))}}  # noqa: E731
-    data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
+    data, _ = load_stdlib_bytes(cfg["data"]["max_bytes"])
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     whole = lambda logits: logits.full_tensor() if isinstance(logits, DTensor) else logits  # noqa: E731
     results = {}
@@ -492,7 +493,7 @@ def _fused_family_main(rank: int, port: int, folder: str) -> None:
             return (model, *train.build_optimizer(model, t), parallel_dims.get_optional_mesh("batch"))
 
         def run(model, optimizer, scheduler, generator, dp_mesh, steps, save_after=None):
-            batches = train.batches(data, t["local_batch_size"], t["seq_len"], generator, dp_mesh)
+            batches = random_windows(data, t["local_batch_size"], t["seq_len"], generator, dp_mesh)
             losses = []
             for step in steps:
                 losses.append(train.train_step(model, optimizer, scheduler, *next(batches)[:2], t["max_norm"], dp_mesh=dp_mesh)[0])

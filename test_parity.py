@@ -18,6 +18,7 @@ import train
 from bench import titan_from_hf
 from conftest import (DP_SHARD, GLOBAL_BATCH, HERE, TP, assert_every_gradient_matches, run_2d, run_one, run_tp,
                       small_config)
+from data import load_stdlib_bytes, random_windows
 from model import build_model, forward_logits
 
 NORM_OUTPUT_PLAN = {"parallelism.decoder_layer": "stock", "parallelism.attention_gather": "norm_output"}
@@ -38,8 +39,8 @@ def default_config() -> dict:
 
 def held_out_batch(cfg: dict) -> torch.Tensor:
     t = cfg["training"]
-    _, held_out = train.load_stdlib_bytes(1_000_000)
-    return next(train.batches(held_out, 2, t["seq_len"], torch.Generator().manual_seed(t["seed"])))[0]
+    _, held_out = load_stdlib_bytes(1_000_000)
+    return next(random_windows(held_out, 2, t["seq_len"], torch.Generator().manual_seed(t["seed"])))[0]
 
 
 def test_default_config_logits_equal_torchtitans_debugmodel():
@@ -94,8 +95,8 @@ def test_trainer_losses_equal_torchtitans_model_on_the_same_batches(tmp_root):
     torch.manual_seed(t["seed"])
     titan = titan_from_hf(build_model(cfg["model"]), t["seq_len"])
     optimizer, scheduler = train.build_optimizer(titan, t)
-    data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
-    batches = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
+    data, _ = load_stdlib_bytes(cfg["data"]["max_bytes"])
+    batches = random_windows(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
     losses, grad_norms = [], []
     for _ in range(TITAN_STEPS):
         x, y, _ = next(batches)

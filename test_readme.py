@@ -189,12 +189,12 @@ def _rank_main(rank: int, port: int, jobs: list, cfg: dict, batches_path: str) -
 def run_recipes(tmp_root: str) -> dict:
     """Every case on the same 2 gloo ranks, one after another (a spawn per case took CI 3 minutes more), with
     the project's trainer's batches (the data, not its code); each result's "grads" names its step-1 gradients."""
-    import train
+    from data import load_stdlib_bytes, random_windows
 
     cfg = small_config()
     t = cfg["training"]
-    data, _ = train.load_stdlib_bytes(cfg["data"]["max_bytes"])
-    it = train.batches(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
+    data, _ = load_stdlib_bytes(cfg["data"]["max_bytes"])
+    it = random_windows(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
     batches_path = Path(tmp_root) / "readme-batches.pt"
     torch.save([next(it)[:2] for _ in range(t["steps"])], batches_path)
     outs = {name: (case, str(Path(tmp_root) / f"readme-case-{i}.json")) for i, (name, case) in enumerate(cases().items())}

@@ -170,14 +170,14 @@ sys.path.insert(0, {here!r})
 import data
 import train
 
-full_length = data.batches
+full_length = data.random_windows
 
 def batches(data, batch_size, seq_len, *args):
     it = full_length(data, batch_size, seq_len, *args)
     yield next(it)
     yield from full_length(data, batch_size, seq_len // 2, *args)  # a new shape from step 2 (32 per TP rank: 16)
 
-data.batches = batches
+data.random_windows = batches
 train.exit_without_finalizing(train.main)
 """
 

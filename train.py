@@ -34,7 +34,7 @@ import checkpoint
 import report
 from config import (ConfigError, check_resources, load_config, parse_args, prepare_checkpoint_folder,
                     tasks_without_torchrun)
-from data import DataError, batches, held_out_batches, load_stdlib_bytes, prepare, training_batches  # noqa: F401
+from data import DataError, held_out_batches, prepare, training_batches
 from materialize import build_on_meta, materialize
 from model import build_model, forward_logits
 from parallelize import autocast, build_parallel_dims, parallelize
