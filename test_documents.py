@@ -314,3 +314,20 @@ def test_a_run_killed_after_a_save_resumes_at_the_same_document_and_token(files,
     again = _torchrun(*resumed)
     assert again.returncode == 0 and "checkpoint: loaded step 3" in again.stdout, again.stderr[-3000:]
     assert _losses(again.stdout) == pytest.approx(_losses(whole.stdout)[3:], abs=1e-6)
+
+
+def test_every_kind_of_data_path_gives_the_same_documents(files, tmp_path):
+    """A folder or glob of .txt (a document per file), .jsonl, .parquet and a datasets folder
+    (save_to_disk, other columns beside `text`): the same documents in the same order."""
+    import datasets
+
+    from data import load_documents
+
+    texts = [json.loads(line)["text"] for line in files["docs"].read_text().splitlines()]
+    (tmp_path / "txt").mkdir()
+    for i, text in enumerate(texts):
+        (tmp_path / "txt" / f"{i:03d}.txt").write_text(text)
+    datasets.Dataset.from_dict({"text": texts}).to_parquet(str(tmp_path / "docs.parquet"))
+    datasets.Dataset.from_dict({"id": list(range(len(texts))), "text": texts}).save_to_disk(str(tmp_path / "saved"))
+    for path in (files["docs"], tmp_path / "txt", tmp_path / "txt" / "*.txt", tmp_path / "docs.parquet", tmp_path / "saved"):
+        assert load_documents(str(path))["text"][:] == texts, path
