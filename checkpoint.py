@@ -90,9 +90,10 @@ REFUSED = ("training.lr", "training.warmup_steps", "training.seed", "data.path",
 def run_record(cfg: dict) -> dict:
     """What complete.json records of the run that wrote it (require_same_run)."""
     t, p, d = cfg["training"], cfg["parallelism"], cfg["data"]
-    return {"model": cfg["model"], "training": {k: t[k] for k in ("lr", "warmup_steps", "seed", "steps",
-                                                                    "local_batch_size", "seq_len")},
-            "parallelism": {"dp_shard": p["dp_shard"], "tp": p["tp"]}, "data": {"path": d["path"], "tokenizer": d["tokenizer"]}}
+    return {"model": cfg["model"],
+            "training": {k: t[k] for k in ("lr", "warmup_steps", "seed", "steps", "local_batch_size", "seq_len")},
+            "parallelism": {"dp_shard": p["dp_shard"], "tp": p["tp"]},
+            "data": {"path": d["path"], "tokenizer": d["tokenizer"]}}
 
 
 # -----------------------------------------------------------------------------

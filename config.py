@@ -93,10 +93,6 @@ def load_config(path: str, world_size: int, overrides: dict[str, object] | None 
     return cfg
 
 
-# What LlamaConfig defaults to and [model] has no key for; every Llama on the Hub has these.
-NOT_IN_MODEL = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "head_dim": "hidden_size / heads"}
-
-
 def model_from_hf_folder(path: Path, model: dict, overrides: dict) -> dict:
     """[model] as transformers reads the folder's config.json (legacy rope_scaling and rope_theta
     too); the file's attn_implementation, which no weight depends on. A command-line --model.key
@@ -104,13 +100,16 @@ def model_from_hf_folder(path: Path, model: dict, overrides: dict) -> dict:
     name = f"checkpoint.initial_load_path = {str(path)!r}"
     try:
         raw, _ = LlamaConfig.get_config_dict(path)
-        config = LlamaConfig.from_pretrained(path)
+        config = LlamaConfig.from_dict(raw)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{name}: transformers cannot read its config.json: {str(e).strip().splitlines()[0]}") from None
     require(raw.get("model_type") == "llama", f"{name} holds a {raw.get('model_type')!r} model, not a Llama")
-    for key, built in {**NOT_IN_MODEL, "head_dim": config.hidden_size // config.num_attention_heads}.items():
-        require(getattr(config, key) == built, f"{name} has {key} = {getattr(config, key)!r}; this trainer's Llama "
-                f"has {key} = {NOT_IN_MODEL[key]!r}")
+    # What [model] has no key for: LlamaConfig's defaults, which every Llama on the Hub keeps.
+    built = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+             "head_dim": config.hidden_size // config.num_attention_heads}
+    for key, value in built.items():
+        require(getattr(config, key) == value, f"{name} has {key} = {getattr(config, key)!r}; this trainer's Llama "
+                f"has {key} = {value!r}")
     found = {key: getattr(config, key) for key in SCHEMA["model"] if key != "attn_implementation"}
     found["attn_implementation"] = model.get("attn_implementation", "sdpa")
     for dotted, value in overrides.items():
@@ -149,17 +148,18 @@ def check_table(values: dict, fields: dict, prefix: str = "") -> None:
         require(key in fields, f"unknown {what(key)}; known: {', '.join(fields)}")
     for key, typ in fields.items():
         name = f"{prefix}{key}"
-        kind = "table" if isinstance(typ, dict) or typ is dict else typ.__name__
+        kind = "table" if isinstance(typ, dict) or typ is dict else typ.__name__  # dict: a table of any keys
         require(key in values, f"missing {what(key)}" + (f" ({kind})" if prefix else ""))
         value = values[key]
-        if isinstance(typ, dict):
+        if kind == "table":
             require(isinstance(value, dict), f"{name} = {value!r} must be a table")
-            check_table(value, typ, name + ".")
+            if isinstance(typ, dict):
+                check_table(value, typ, name + ".")
             continue
         if typ in (float, str) and isinstance(value, int) and not isinstance(value, bool):
             values[key] = value = typ(value)  # 8 as 8.0; selective_ac_option = 2 as "2"
         require(isinstance(value, typ) and not (typ is int and isinstance(value, bool)),
-                f"{name} = {value!r} must be " + ("a table" if typ is dict else f"of type {kind}"))
+                f"{name} = {value!r} must be of type {kind}")
         # Every float here (lr, max_norm, rms_norm_eps, RoPE's) is positive; others train on NaN.
         require(typ is not float or (math.isfinite(value) and value > 0), f"{name} = {value} must be finite and > 0")
 

@@ -1,10 +1,7 @@
-"""What the model trains on: the Python standard library's bytes (the default, no tokenizer), or
-your documents (`data.path`) tokenized and packed into windows of seq_len tokens.
-
-A packed window's `position_ids` restart at every document, so `model.forward_logits` builds
-block-causal masks from them; a document's first token is no target (-100). Every 10th document
-is held out. Data-parallel rank r of D reads training documents r, r + D, r + 2D, ... in order,
-from a position (epoch, document, token) that a checkpoint saves (`get_state`).
+"""What the model trains on: the standard library's bytes (the default), or your documents
+(`data.path`) tokenized and packed into windows whose `position_ids` restart at every document
+(model.forward_logits builds block-causal masks from them). Every 10th document is held out; data-
+parallel rank r of D reads documents r, r + D, ... from an (epoch, document, token) a checkpoint saves.
 """
 
 import glob
@@ -25,9 +22,11 @@ class DataError(ValueError):
 
 @dataclass
 class Corpus:
-    tokenizer: object  # "bytes" (ids 0-255) or transformers' tokenizer
     train: object  # the standard library's bytes (a tensor) or your documents (a datasets.Dataset)
     held_out: object
+    tokenizer: object = "bytes"  # or transformers' tokenizer
+    source: str = "bytes"  # the tokenizer's folder
+    ids: int = 256  # the tokenizer's vocabulary
 
 
 def prepare(cfg: dict) -> Corpus:
@@ -42,18 +41,19 @@ def prepare(cfg: dict) -> Corpus:
                             f"vocabulary of {m['vocab_size']:,}; set data.path to your documents, or data.tokenizer = "
                             "bytes to train on those ids anyway")
         require_vocabulary(256, "bytes", m)
-        return Corpus("bytes", *load_stdlib_bytes(d["max_bytes"]))
+        return Corpus(*load_stdlib_bytes(d["max_bytes"]))
     if not source:
         raise DataError(f"data.path = {d['path']!r} needs a tokenizer: set data.tokenizer to a folder with "
                         "tokenizer.json, or bytes (ids 0-255)")
     tokenizer = load_tokenizer(source)
-    require_vocabulary(256 if tokenizer == "bytes" else len(tokenizer), source, m)
+    ids = 256 if tokenizer == "bytes" else len(tokenizer)
+    require_vocabulary(ids, source, m)
     train, held_out = split_documents(load_documents(d["path"]))
     need = t["local_batch_size"] * cfg["parallelism"]["dp_shard"] * t["seq_len"] + 1
     if (have := count_tokens(train, tokenizer, need)) < need:
         raise DataError(f"data.path = {d['path']!r} holds {have:,} training tokens ({len(train)} documents, every "
                         f"10th held out), fewer than one global batch's {need:,}")
-    return Corpus(tokenizer, train, held_out)
+    return Corpus(train, held_out, tokenizer, source, ids)
 
 
 def require_vocabulary(size: int, source: str, m: dict) -> None:

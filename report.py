@@ -36,9 +36,8 @@ def data_line(cfg: dict, corpus) -> str:
     if isinstance(corpus.train, torch.Tensor):
         return f"data: {len(corpus.train):,} train bytes, {len(corpus.held_out):,} held-out bytes of the Python stdlib"
     d, t = cfg["data"], cfg["training"]
-    source = d["tokenizer"] or cfg["checkpoint"]["initial_load_path"]
     return (f"data: {len(corpus.train):,} documents of {d['path']} ({len(corpus.held_out):,} more held out), "
-            f"tokenized by {source}'s tokenizer ({len(corpus.tokenizer) if source != 'bytes' else 256:,} ids), packed "
+            f"tokenized by {corpus.source}'s tokenizer ({corpus.ids:,} ids), packed "
             f"into windows of {t['seq_len']}: block-causal masks of {t['local_batch_size'] * t['seq_len'] ** 2 / 2**20:,.1f} "
             "MiB a step")
 

@@ -2,7 +2,6 @@
 with block-causal masks under TP + SP, the loss per target token, the data position in checkpoints,
 and the one-line refusals. Folders, tokenizer and documents are made here (harness.py)."""
 
-import functools
 import json
 import os
 import signal
@@ -21,17 +20,13 @@ STEPS = ("--training.steps", "2", "--training.seq_len", "64", "--training.local_
          "--data.eval_batches", "1", "--metrics.measure_cpu_peak", "false")
 
 
-@functools.cache
-def user_files(root: str) -> dict:
-    """Two Hub-format Llamas (Llama 3.2-like: legacy rope_scaling, bfloat16, tied, GQA, 128,256 ids;
-    Llama 2-like: default RoPE, untied), each with a tokenizer, and 40 documents as JSON lines."""
-    folders = {kind: make_tokenizer(make_hub_llama(Path(root) / kind, kind)) for kind in ("llama3", "llama2")}
-    return {**folders, "docs": make_documents(Path(root) / "docs.jsonl")}
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict:
-    return user_files(str(tmp_path_factory.mktemp("user")))
+    """Two Hub-format Llamas (Llama 3.2-like: legacy rope_scaling, bfloat16, tied, GQA, 128,256 ids;
+    Llama 2-like: default RoPE, untied), each with a tokenizer, and 40 documents as JSON lines."""
+    root = tmp_path_factory.mktemp("user")
+    folders = {kind: make_tokenizer(make_hub_llama(root / kind, kind)) for kind in ("llama3", "llama2")}
+    return {**folders, "docs": make_documents(root / "docs.jsonl")}
 
 
 def packed_batch(docs: Path, tokenizer_folder: Path, dp_size: int, batch_size: int, seq_len: int):

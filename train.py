@@ -34,7 +34,7 @@ import checkpoint
 import report
 from config import (ConfigError, check_resources, load_config, parse_args, prepare_checkpoint_folder,
                     tasks_without_torchrun)
-from data import DataError, held_out_batches, prepare, training_batches
+from data import IGNORED, DataError, held_out_batches, prepare, training_batches
 from materialize import build_on_meta, materialize
 from model import build_model, forward_logits
 from parallelize import autocast, build_parallel_dims, parallelize
@@ -162,8 +162,8 @@ def build_optimizer(model, t: dict):
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The sum over target tokens (-100: none), in float32 also when FSDP computes in bfloat16, as torchtitan's."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum", ignore_index=-100)
+    """The sum over target tokens (IGNORED: none), in float32 also when FSDP computes in bfloat16, as torchtitan's."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum", ignore_index=IGNORED)
 
 
 def vocab_parallel(logits: torch.Tensor):
@@ -184,7 +184,7 @@ def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forwa
     """One forward/backward/update; returns (the global batch's mean loss per target token, grad norm
     before clipping). Ranks may hold different counts of targets: each backward is its sum over
     all ranks' count, times the dp size that FSDP's gradient average divides by."""
-    targets = global_sum((y != -100).sum(), dp_mesh).item()
+    targets = global_sum((y != IGNORED).sum(), dp_mesh).item()
     with amp:  # parallelize.autocast: bfloat16 matmuls without FSDP
         logits = forward(model, x) if position_ids is None else forward(model, x, position_ids)
     with vocab_parallel(logits):
@@ -314,7 +314,7 @@ def evaluate(model, held_out, cfg: dict, device: torch.device, dp_mesh=None, sig
                 logits = forward_logits(model, x, position_ids)
             with vocab_parallel(logits):
                 total += global_sum(cross_entropy(logits, y), dp_mesh).item()
-            targets += global_sum((y != -100).sum(), dp_mesh).item()
+            targets += global_sum((y != IGNORED).sum(), dp_mesh).item()
     model.train()
     return total / targets if targets else None
 
