@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidate_safetensors_files
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.utils._pytree import tree_map
 
 from family_plan import without_strided_shards
-from materialize import load_hf_slices
 from model import hf_config
 from workarounds import set_comm_timeout
 
@@ -182,7 +183,7 @@ def resume(cfg: dict, model, optimizer, scheduler, position, log) -> int:
     if ckpt["initial_load_path"]:
         path, hf = Path(ckpt["initial_load_path"]), ckpt["initial_load_in_hf"]
         if hf:
-            load_hf_slices(model, path)
+            load_hf(model, path)
         else:  # the model part of another run's DCP checkpoint; optimizer and schedule start fresh
             require_same_run(path, cfg, log, every_key=False)
             state = {"model": tree_map(without_strided_shards, get_model_state_dict(model))}
@@ -239,36 +240,132 @@ def require_same_run(path: Path, cfg: dict, log, every_key: bool = True) -> None
 # -----------------------------------------------------------------------------
 # Hugging Face weights in and out
 
-def save_hf(cfg: dict, step: int, model, log) -> None:
-    """Rank 0 writes the full weights as a folder that stock `LlamaForCausalLM.from_pretrained`
-    loads: config.json + model.safetensors. Every rank takes part in gathering them."""
-    start, path = time.perf_counter(), Path(cfg["checkpoint"]["folder"]) / f"step-{step}-hf"
-    set_comm_timeout(cfg["comm"]["init_timeout_seconds"])  # the others wait while rank 0 writes
-    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def load_hf(model, path: Path) -> None:
+    """This rank's piece of every tensor in an HF folder's *.safetensors, read by DCP's
+    HuggingFaceStorageReader (slices, cast to the parameters' dtype); a tied lm_head is the embedding."""
+    state = get_model_state_dict(model)  # HF's names -> this rank's shards, sharing the parameters' storage
+    plain = tree_map(without_strided_shards, state)  # DCP reads into Shard, not _StridedShard
     if model.config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)  # as HF saves a tied model (rank 0 holds the full weights)
-    failure = decided_on_rank0(lambda: write_hf(path, weights, cfg["model"]))
+        del plain["lm_head.weight"]  # the embedding's parameter: loaded with it
+    dcp.load(plain, storage_reader=HuggingFaceStorageReader(str(path)))
+    if any(plain[name] is not state[name] for name in plain):  # fused weights: copies, set into the strided shards
+        set_model_state_dict(model, plain, options=StateDictOptions(strict=False))
+
+
+def save_hf(cfg: dict, step: int, model, tokenizer, log) -> None:
+    """step-N-hf/: the weights in the source folder's dtype, with its config, generation config and
+    `tokenizer` (data.Corpus's), in files as save_pretrained splits them. Each rank writes its shards
+    (DCP's HuggingFaceStorageWriter), then joins some of the Hub's files from every rank's: no rank
+    holds more than one whole tensor. Built in step-N-hf.tmp, renamed once whole."""
+    start, path = time.perf_counter(), Path(cfg["checkpoint"]["folder"]) / f"step-{step}-hf"
+    tmp = path.with_name(path.name + ".tmp")
+    set_comm_timeout(cfg["comm"]["init_timeout_seconds"])  # the others wait while rank 0 writes
+    config, source = export_config(cfg)
+    weights = tree_map(without_strided_shards, get_model_state_dict(model))
+    if model.config.tie_word_embeddings:
+        del weights["lm_head.weight"]  # as HF saves a tied model
+    weights = {name: w.detach().to(config.dtype) for name, w in weights.items()}
+    files = hub_files(weights, cfg["checkpoint"]["hf_max_shard_mb"] * 10**6)
+    failure = decided_on_rank0(lambda: remove(tmp))  # an unfinished export's, or a stray file
+    try:
+        if not failure:  # raises on every rank
+            dcp.save(weights, storage_writer=HuggingFaceStorageWriter(str(tmp / "sharded"), save_distributed=True))
+    except (OSError, CheckpointException) as e:
+        failure = why_save_failed(e, tmp)
+    failure = failure or failure_on_any_rank(lambda: join_shards(tmp, files), tmp)
+    size = sum(w.numel() * w.element_size() for w in weights.values())
+    failure = failure or decided_on_rank0(lambda: finish_hf_folder(tmp, path, files, size, config, source, tokenizer))
     if failure:
+        if is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"step {step}: writing the HF weights to {path} failed: {failure}; "
                               f"{path.with_name(f'step-{step}')} is complete")
     set_comm_timeout(cfg["comm"]["train_timeout_seconds"])
-    log(f"checkpoint: wrote the HF weights of step {step} to {path} in {time.perf_counter() - start:.1f} s")
+    log(f"checkpoint: wrote the HF weights of step {step} to {path} ({len(set(files.values()))} file(s), "
+        f"{str(config.dtype).removeprefix('torch.')}) in {time.perf_counter() - start:.1f} s")
 
 
-def write_hf(path: Path, weights: dict, model_cfg: dict) -> str | None:
-    """Into path.tmp, then renamed: None, or why it failed (the unfinished folder removed)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
+def export_config(cfg: dict):
+    """(LlamaConfig, source folder or None): the source's config.json as transformers reads it (bos/eos,
+    RoPE: all that is not trained) with its weights' dtype; without one, [model]'s in float32."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
 
-    tmp = path.with_name(path.name + ".tmp")
+    c = cfg["checkpoint"]
+    if not c["initial_load_in_hf"]:
+        config = hf_config(cfg["model"])
+        config.dtype = torch.float32  # the weights trained here
+        return config, None
+    source = Path(c["initial_load_path"])
+    config = AutoConfig.from_pretrained(source)
+    with safe_open(sorted(source.glob("*.safetensors"))[0], "pt") as f:
+        config.dtype = f.get_slice(next(iter(f.keys())))[:1].dtype  # as stored, whatever config.json says
+    return config, source
+
+
+def hub_files(weights: dict, max_bytes: int) -> dict[str, str]:
+    """Tensor name -> file, as save_pretrained's max_shard_size splits: in order, a new file where the
+    next tensor would pass `max_bytes` (a larger tensor is a file alone); model.safetensors if one."""
+    number, size, numbers = 1, 0, {}
+    for name, w in weights.items():
+        nbytes = w.numel() * w.element_size()
+        if size and size + nbytes > max_bytes:
+            number, size = number + 1, 0
+        numbers[name], size = number, size + nbytes
+    return {name: "model.safetensors" if number == 1 else f"model-{n:05d}-of-{number:05d}.safetensors"
+            for name, n in numbers.items()}
+
+
+def join_shards(tmp: Path, files: dict[str, str]) -> None:
+    """This rank's share of the Hub's files (every world-size-th), each tensor joined from every rank's
+    shards in tmp/sharded. Not torch's consolidate_safetensors_files_on_every_rank: on torch 2.10 it
+    writes no index (pytorch/torchtitan#2137; 2.11+ without a process group neither), and a rank whose
+    write fails leaves the others in its barrier until the timeout, where this one's failure is one line."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    names = sorted(set(files.values()))
+    mine = {tensor: name for tensor, name in files.items() if names.index(name) % world == rank}
+    if mine:
+        _consolidate_safetensors_files(str(tmp / "sharded"), str(tmp), mine, num_threads=1)
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def failure_on_any_rank(work, path: Path) -> str | None:
+    """work() on every rank; the first failure's words (why_save_failed), on every rank."""
     try:
-        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)  # an unfinished export's, or a stray file
-        hf_config(model_cfg).save_pretrained(tmp)
-        save_file({k: v.contiguous() for k, v in weights.items()}, tmp / "model.safetensors", metadata={"format": "pt"})
-    except (OSError, SafetensorError) as e:
-        failure = why_save_failed(e, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
-        return failure
+        work()
+        failure = None
+    except OSError as e:
+        failure = why_save_failed(e, path)
+    failures = [failure]
+    if dist.is_initialized():
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+    return next((f for f in failures if f), None)
+
+
+def finish_hf_folder(tmp: Path, path: Path, files: dict, size: int, config, source: Path | None, tokenizer) -> str | None:
+    """Rank 0, once the safetensors are joined: their index (for several), config.json, the source's
+    generation_config.json (or one from config), the tokenizer's files; then the folder renamed to
+    `path`. None, or why it failed."""
+    from transformers import GenerationConfig
+
+    try:
+        shutil.rmtree(tmp / "sharded")
+        if len(set(files.values())) > 1:
+            index = {"metadata": {"total_size": size}, "weight_map": files}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        config.save_pretrained(tmp)
+        if source and (source / "generation_config.json").is_file():
+            shutil.copyfile(source / "generation_config.json", tmp / "generation_config.json")
+        else:
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        if tokenizer != "bytes":
+            tokenizer.save_pretrained(tmp)
+    except OSError as e:
+        return why_save_failed(e, tmp)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
     return None

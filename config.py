@@ -30,7 +30,7 @@ SCHEMA = {  # every key and its type, in config.toml's order
     "data": dict(path=str, tokenizer=str, max_bytes=int, eval_batches=int),
     "metrics": dict(measure_cpu_peak=bool),
     "checkpoint": dict(enable=bool, folder=str, interval=int, keep_latest_k=int,  # torchtitan's names
-                       initial_load_path=str, initial_load_in_hf=bool, last_save_in_hf=bool),
+                       initial_load_path=str, initial_load_in_hf=bool, last_save_in_hf=bool, hf_max_shard_mb=int),
     "comm": dict(init_timeout_seconds=int, train_timeout_seconds=int),
 }
 
@@ -249,6 +249,7 @@ def check_data(data: dict) -> None:
 def check_checkpoint(c: dict, model_cfg: dict) -> None:
     """[checkpoint]'s values, and whether initial_load_path fits [model]; nothing is written."""
     require(c["interval"] > 0, f"checkpoint.interval = {c['interval']} must be positive")
+    require(c["hf_max_shard_mb"] > 0, f"checkpoint.hf_max_shard_mb = {c['hf_max_shard_mb']} must be positive")
     require(c["keep_latest_k"] >= 0, f"checkpoint.keep_latest_k = {c['keep_latest_k']} must be >= 0 (0 keeps all)")
     for key in ("initial_load_path", "initial_load_in_hf", "last_save_in_hf"):
         require(c["enable"] or not c[key], f"checkpoint.{key} needs checkpoint.enable = true")

@@ -258,7 +258,7 @@ HUB_LLAMAS = {  # small Llamas with the Hub's config.json keys (transformers 4's
 
 def make_hub_llama(folder: Path, kind: str, seed: int = 0) -> Path:
     """A randomly initialised Llama of HUB_LLAMAS[kind] as a Hub folder: the weights in its dtype
-    (model.safetensors, no tied lm_head), config.json as transformers 4 wrote it."""
+    (model.safetensors, no tied lm_head), config.json as transformers 4 wrote it, a generation_config.json."""
     import json
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -274,6 +274,9 @@ def make_hub_llama(folder: Path, kind: str, seed: int = 0) -> Path:
         config.pop(key, None)
     config.update(legacy, transformers_version="4.45.0")
     (folder / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {"bos_token_id": hub["bos_token_id"], "eos_token_id": hub["eos_token_id"], "do_sample": True,
+                  "temperature": 0.6, "top_p": 0.9}  # Llama 3.2's sampling, not what transformers makes from config.json
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return folder
 
 

@@ -3,22 +3,20 @@
 `build_on_meta` records every in-place op HF's construction runs on a parameter (the layers'
 `reset_parameters`, then `post_init`'s `_init_weights`); `materialize` replays them in order on
 one full-size host tensor at a time, so the CPU generator gives the weights one seeded process
-builds, and keeps each rank's piece. `load_hf_slices` reads only this rank's piece of each tensor
-of an HF folder whose shapes `hf_folder_mismatch` found to fit [model]."""
-import contextlib
+builds, and keeps each rank's piece. `hf_folder_mismatch` checks that an HF folder's tensors fit
+[model] (checkpoint.load_hf reads each rank's piece of them)."""
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
 import torch
 import transformers.modeling_utils
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaForCausalLM
 
-from family_plan import fused_placements, without_strided_shards
+from family_plan import fused_placements
 from model import hf_config
 
 
@@ -87,26 +85,6 @@ def materialize(model, ops, device: torch.device, seed: int) -> None:
             if next(module.parameters(recurse=False), None) is not None:
                 raise RuntimeError(f"{type(module).__name__} has parameters and buffers: its _init_weights would draw again")
             model._init_weights(module)
-
-
-def load_hf_slices(model, path: Path) -> None:
-    """This rank's piece of every tensor in an HF folder's *.safetensors; a tied lm_head is the embedding."""
-    from safetensors import safe_open
-
-    tied = model.config.tie_word_embeddings
-    state = get_model_state_dict(model)  # HF's names -> this rank's shards, sharing the parameters' storage
-    keys = {name: "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name for name in state}
-    with contextlib.ExitStack() as stack, torch.no_grad():
-        files = [stack.enter_context(safe_open(file, framework="pt")) for file in sorted(path.glob("*.safetensors"))]
-        holder = {key: f for f in files for key in f.keys()}
-        if missing := [key for key in keys.values() if key not in holder]:
-            raise KeyError(f"{path} has no {', '.join(missing)}")
-        plain = {name: without_strided_shards(tensor) for name, tensor in state.items()}
-        for name, tensor in plain.items():
-            part = holder[keys[name]].get_slice(keys[name])
-            local(tensor).copy_(part[piece(tuple(part.get_shape()), tensor)])
-    if any(plain[name] is not tensor for name, tensor in state.items()):
-        set_model_state_dict(model, plain)  # into the fused weights' strided shards
 
 
 def hf_folder_mismatch(path: Path, model_cfg: dict) -> str | None:

@@ -58,13 +58,12 @@ def write_hf_folder(size: str, folder: Path) -> Path:
 
     import torch
 
-    from checkpoint import write_hf
     from model import build_model
 
     with open(HERE / "config.toml", "rb") as f:
         model_cfg = {**tomllib.load(f)["model"], **SIZES[size]}
     torch.manual_seed(0)
-    write_hf(folder / "hf", build_model(model_cfg).state_dict(), model_cfg)
+    build_model(model_cfg).save_pretrained(folder / "hf")
     return folder / "hf"
 
 

@@ -18,7 +18,6 @@ from conftest import (HERE, _config_error_lines, _torchrun, again_if_a_rank_died
                       join_gloo, spawn)
 from config import ConfigError, validate
 from data import load_stdlib_bytes, random_windows
-from materialize import load_hf_slices
 
 
 SMALL = ("--model.num_hidden_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
@@ -218,19 +217,19 @@ def test_hf_export_writes_over_an_unfinished_one(tmp_path, stray):
     it. A file once made save_pretrained raise AssertionError: a traceback, not one line."""
     from safetensors.torch import load_file
 
-    from checkpoint import write_hf
-    from model import build_model
+    from checkpoint import save_hf
+    from train import build_training
 
-    cfg = small_config()
+    cfg = small_config(**{"checkpoint.folder": str(tmp_path), "compile.enable": False})
     tmp = tmp_path / "step-4-hf.tmp"
     if stray == "folder":
         tmp.mkdir()
         (tmp / "model.safetensors").write_bytes(b"cut")
     else:
         tmp.write_text("")
-    weights = build_model(cfg["model"]).state_dict()
-    assert write_hf(tmp_path / "step-4-hf", weights, cfg["model"]) is None
-    assert not tmp.exists() and load_file(tmp_path / "step-4-hf" / "model.safetensors").keys() == weights.keys()
+    model, *_ = build_training(cfg, torch.device("cpu"))
+    save_hf(cfg, 4, model, "bytes", lambda line: None)
+    assert not tmp.exists() and load_file(tmp_path / "step-4-hf" / "model.safetensors").keys() == model.state_dict().keys()
 
 
 def assert_resumed_losses(out: str, full: str, after: int) -> None:
@@ -461,7 +460,7 @@ FUSED_FAMILIES = ("glm4", "phi3+mha")  # [gate; up]; phi3 also [q; k; v]
 def _fused_family_main(rank: int, port: int, folder: str) -> None:
     """For each family on dp_shard 2 x tp 2 (eager): 4 steps with a DCP save after step 2, then a
     fresh model resumed from it for steps 3-4; step 4 saved too, the HF weights as save_hf gathers
-    them, and the logits of the trained model; those weights loaded by slices (load_hf_slices)."""
+    them, and the logits of the trained model; those weights loaded by slices (checkpoint.load_hf)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
@@ -524,7 +523,7 @@ def _fused_family_main(rank: int, port: int, folder: str) -> None:
         step = checkpoint.resume(in_folder(family), model, optimizer, scheduler, generator, quiet)
         resumed = run(model, optimizer, scheduler, generator, dp_mesh, range(step + 1, 5))
         imported = build()[0]
-        load_hf_slices(imported, hf)
+        checkpoint.load_hf(imported, hf)
         with torch.no_grad():
             imported_logits = whole(train.forward_logits(imported, x))
         results[family] = {"uninterrupted": uninterrupted, "resumed": resumed, "strided_save": strided_save,

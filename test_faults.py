@@ -293,15 +293,15 @@ SIGNALLED_IN_THE_EXPORT = """
 import os, signal, sys
 import checkpoint, train
 
-write_hf = checkpoint.write_hf
+finish_hf_folder = checkpoint.finish_hf_folder
 
 
-def write_hf_signalled(*args):
-    os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's pre-emption, as the HF export starts
-    return write_hf(*args)
+def finish_hf_folder_signalled(*args):
+    os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's pre-emption, as the HF export's last writes start
+    return finish_hf_folder(*args)
 
 
-checkpoint.write_hf = write_hf_signalled
+checkpoint.finish_hf_folder = finish_hf_folder_signalled
 train.exit_without_finalizing(train.main)
 """
 
@@ -320,7 +320,8 @@ def test_sigterm_in_the_final_hf_export_finishes_the_write_and_stops(tmp_path):
     assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert _our_lines(out, "stopped by ") == ["stopped by SIGTERM after the HF export; skipped what was left"], out[-3000:]
     assert "summary:" not in out
-    assert sorted(p.name for p in (folder / "step-2-hf").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in (folder / "step-2-hf").iterdir()) == ["config.json", "generation_config.json",
+                                                                         "model.safetensors"]
     assert not (folder / "step-2-hf.tmp").exists()
 
 
@@ -331,7 +332,7 @@ import torch
 
 import checkpoint, train
 
-write_marker, write_hf = checkpoint.write_marker, checkpoint.write_hf
+write_marker, finish_hf_folder = checkpoint.write_marker, checkpoint.finish_hf_folder
 
 
 def slow(write):
@@ -347,7 +348,7 @@ def evaluate(*args):  # after the HF export: its wait is over, the training time
     return train_evaluate(*args)
 
 
-checkpoint.write_marker, checkpoint.write_hf = slow(write_marker), slow(write_hf)
+checkpoint.write_marker, checkpoint.finish_hf_folder = slow(write_marker), slow(finish_hf_folder)
 train_evaluate, train.evaluate = train.evaluate, evaluate
 train.exit_without_finalizing(train.main)
 """

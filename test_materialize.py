@@ -85,7 +85,8 @@ def _set_up_main(rank: int, port: int, hf_folder: str, out: str) -> None:
     import torch.distributed as dist
 
     import parallelize
-    from materialize import load_hf_slices, local, piece
+    from checkpoint import load_hf
+    from materialize import local, piece
 
     join_gloo(rank, TP, port)
     cfg = small_config(**BIG)
@@ -95,7 +96,7 @@ def _set_up_main(rank: int, port: int, hf_folder: str, out: str) -> None:
     train.build_training(small_config(), torch.device("cpu"), dims)  # what set-up imports and caches, first
     (model, *_), set_up = peak_anonymous_memory_above_now(lambda: train.build_training(cfg, torch.device("cpu"), dims))
     with LargestCopy() as hf_load:
-        load_hf_slices(model, Path(hf_folder))
+        load_hf(model, Path(hf_folder))
     from safetensors import safe_open
     with safe_open(Path(hf_folder) / "model.safetensors", framework="pt") as f:
         wrong = [n for n, p in model.named_parameters()
@@ -111,11 +112,9 @@ def _set_up_main(rank: int, port: int, hf_folder: str, out: str) -> None:
 
 
 def test_on_tp_2_no_rank_holds_the_whole_model_in_set_up_or_hf_load(tmp_path):
-    from checkpoint import write_hf
-
     cfg = small_config(**BIG)
     torch.manual_seed(1)
-    write_hf(tmp_path / "hf", {k: v for k, v in build_model(cfg["model"]).state_dict().items()}, cfg["model"])
+    build_model(cfg["model"]).save_pretrained(tmp_path / "hf")
     out = tmp_path / "memory.json"
     spawn(_set_up_main, lambda port: (port, str(tmp_path / "hf"), str(out)), TP, "set-up and HF load on TP 2")
     m = json.loads(out.read_text())

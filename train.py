@@ -69,7 +69,7 @@ def main() -> None:
                          dp_mesh, launch.rank, log, position=position)
         exit_if_signalled(run, device, launch.rank, f"after step {t['steps']}")  # a signal in the last save
         if ckpt["last_save_in_hf"]:
-            checkpoint.save_hf(cfg, t["steps"], model, log)
+            checkpoint.save_hf(cfg, t["steps"], model, corpus.tokenizer, log)
             exit_if_signalled(run, device, launch.rank, "after the HF export")
         held_out_loss = evaluate(model, held_out_batches(corpus, cfg, dp_mesh), cfg, device, dp_mesh, run.signals)
         exit_if_signalled(run, device, launch.rank, "in the held-out loss")
