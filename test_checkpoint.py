@@ -289,7 +289,8 @@ print(json.dumps({"held_out": loss_on_first_batch(held_out, seed + 1), "first_ba
 def test_hf_export_loads_in_stock_transformers_and_starts_a_new_run(tmp_root, tmp_path):
     full, full_folder = uninterrupted(tmp_root, 2, 1)
     export = full_folder / "step-20-hf"
-    assert "checkpoint: wrote the HF weights of step 20" in full
+    assert f"checkpoint: wrote the HF weights of step 20 to {export} (1 file(s), float32)" in full
+    assert json.loads((export / "config.json").read_text())["dtype"] == "float32"  # the weights trained, with no source
     # A fresh process, no project code: the trainer's held-out loss (1 batch) from stock transformers.
     proc = subprocess.run([sys.executable, "-c", HF_CHECK, str(export)], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)

@@ -70,21 +70,81 @@ def transformers_loss(folder: Path, x, y, position_ids, per_rank: int | None = N
     return (losses.sum() / (y != -100).sum()).item()
 
 
+@pytest.fixture(scope="module")
+def hub_run(files, tmp_path_factory):
+    """hub_run(kind, nproc, dp_shard): (torchrun's output, its checkpoint folder) of 2 steps on the
+    documents from that folder, exported at the end in files of 10 MB; each launched once."""
+    runs = {}
+
+    def run(kind: str, nproc: int, dp_shard: int):
+        if (kind, nproc, dp_shard) not in runs:
+            folder = tmp_path_factory.mktemp(f"{kind}-{nproc}") / "ckpt"
+            proc = _torchrun(*STEPS, "--checkpoint.enable", "true", "--checkpoint.folder", str(folder),
+                             "--checkpoint.initial_load_path", str(files[kind]), "--checkpoint.initial_load_in_hf", "true",
+                             "--checkpoint.last_save_in_hf", "true", "--checkpoint.hf_max_shard_mb", "10",
+                             "--data.path", str(files["docs"]), "--parallelism.dp_shard", str(dp_shard),
+                             launcher=(f"--nproc_per_node={nproc}", f"--master_port={free_port()}"))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            runs[kind, nproc, dp_shard] = proc.stdout, folder
+        return runs[kind, nproc, dp_shard]
+    return run
+
+
 @pytest.mark.parametrize("kind, nproc, dp_shard", [("llama3", 2, 1), ("llama2", 2, 1), ("llama3", 4, 2), ("llama2", 4, 2)])
-def test_a_hub_folder_trains_on_your_documents_with_transformers_loss(files, tmp_path, kind, nproc, dp_shard):
+def test_a_hub_folder_trains_on_your_documents_with_transformers_loss(files, hub_run, kind, nproc, dp_shard):
     """One path to the model: [model] is its config.json as transformers reads it (the Llama 3 folder
     is in transformers 4's format), its tokenizer packs the documents; 1 graph, 0 recompiles; step 1's
     loss is stock transformers' on the same packed batch. On dp_shard 2 the ranks hold different counts
     of targets: the loss is per target token of the global batch, not a mean of the ranks' means."""
-    proc = _torchrun(*STEPS, "--checkpoint.enable", "true", "--checkpoint.folder", str(tmp_path / "ckpt"),
-                     "--checkpoint.initial_load_path", str(files[kind]), "--checkpoint.initial_load_in_hf", "true",
-                     "--data.path", str(files["docs"]), "--parallelism.dp_shard", str(dp_shard),
-                     launcher=(f"--nproc_per_node={nproc}", f"--master_port={free_port()}"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiled graphs      1 for" in proc.stdout and "recompiles           0" in proc.stdout, proc.stdout[-2000:]
+    out, _ = hub_run(kind, nproc, dp_shard)
+    assert "compiled graphs      1 for" in out and "recompiles           0" in out, out[-2000:]
     x, y, position_ids = packed_batch(files["docs"], files[kind], dp_shard, 2, 64)
     assert (position_ids == 0).sum() > len(x), "no window packs two documents"
-    assert _losses(proc.stdout)[0] == pytest.approx(transformers_loss(files[kind], x, y, position_ids), abs=1e-5)
+    assert _losses(out)[0] == pytest.approx(transformers_loss(files[kind], x, y, position_ids), abs=1e-5)
+
+
+def test_the_export_is_the_source_folder_with_the_trained_weights(files, hub_run):
+    """From the bfloat16, tied Llama 3 folder on dp_shard 2 x tp 2: step-2-hf/ loads in stock
+    transformers with the source's config (bos/eos, RoPE), generation config and tokenizer; every
+    weight is the trained float32 one (the DCP checkpoint's) cast to bfloat16, so the logits and
+    what generate writes are those of the trained model cast; the 16 MB embedding is a file alone."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out, folder = hub_run("llama3", 4, 2)
+    source, export = files["llama3"], folder / "step-2-hf"
+    assert f"wrote the HF weights of step 2 to {export} (2 file(s), bfloat16)" in out, out[-2000:]
+    index = json.loads((export / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["model.embed_tokens.weight"] == "model-00001-of-00002.safetensors"
+    assert set(index.values()) == {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+    for name in set(index.values()):  # as stored: from_pretrained would cast to config.json's dtype
+        with safe_open(export / name, "pt") as f:
+            assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}, name
+    config = lambda folder: {**AutoConfig.from_pretrained(folder).to_dict(), "_name_or_path": None}  # noqa: E731
+    assert config(export) == config(source)
+    assert json.loads((export / "generation_config.json").read_text()) == \
+        json.loads((source / "generation_config.json").read_text())
+    tokenizer, source_tokenizer = AutoTokenizer.from_pretrained(export), AutoTokenizer.from_pretrained(source)
+    texts = [json.loads(line)["text"] for line in files["docs"].read_text().splitlines()]
+    assert [tokenizer(t)["input_ids"] for t in texts] == [source_tokenizer(t)["input_ids"] for t in texts]
+
+    model = AutoModelForCausalLM.from_pretrained(export)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    trained = AutoModelForCausalLM.from_pretrained(source)  # bfloat16, as the export
+    state = {"model": {name: torch.empty_like(w, dtype=torch.float32) for name, w in model.state_dict().items()
+                       if name != "lm_head.weight"}}
+    dcp.load(state, checkpoint_id=folder / "step-2")
+    for name, weight in state["model"].items():
+        assert torch.equal(model.state_dict()[name], weight.to(torch.bfloat16)), name
+    trained.load_state_dict({name: w.to(torch.bfloat16) for name, w in state["model"].items()}, strict=False)
+    x, _, position_ids = packed_batch(files["docs"], source, 2, 2, 64)
+    with torch.no_grad():
+        logits = model(input_ids=x, position_ids=position_ids, use_cache=False).logits
+        assert torch.equal(logits, trained(input_ids=x, position_ids=position_ids, use_cache=False).logits)
+    assert torch.equal(model.generate(x[:1], max_new_tokens=4, do_sample=False),
+                       trained.generate(x[:1], max_new_tokens=4, do_sample=False))
 
 
 # the loss per target token when dp ranks hold different counts of targets ---------------------

@@ -325,6 +325,40 @@ def test_sigterm_in_the_final_hf_export_finishes_the_write_and_stops(tmp_path):
     assert not (folder / "step-2-hf.tmp").exists()
 
 
+ONE_RANK_FILLS_THE_DISK_IN_THE_EXPORT = """
+import errno, os
+import checkpoint, train
+
+join_shards = checkpoint.join_shards
+
+
+def join_shards_on_a_full_disk(*args):
+    join_shards(*args)
+    if os.environ["RANK"] == "1":  # the disk fills as rank 1 joins its last file; rank 0's went well
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+checkpoint.join_shards = join_shards_on_a_full_disk
+train.exit_without_finalizing(train.main)
+"""
+
+
+def test_a_full_disk_on_one_rank_in_the_hf_export_is_one_line_and_no_folder(tmp_path):
+    """Every rank hears of rank 1's failure: one line and no step-2-hf (nor .tmp), the DCP step complete.
+    torch's consolidate_safetensors_files_on_every_rank would leave rank 0 in its barrier until the
+    timeout, then a traceback (checkpoint.join_shards)."""
+    folder, script = tmp_path / "ckpt", tmp_path / "full_in_the_export.py"
+    script.write_text(ONE_RANK_FILLS_THE_DISK_IN_THE_EXPORT)
+    proc = _script_on_two_ranks(script, folder, *EAGER, "--training.steps", "2", "--checkpoint.last_save_in_hf",
+                                "true", "--checkpoint.hf_max_shard_mb", "1", "--comm.init_timeout_seconds", "30")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert _our_lines(out, "error: ") == [f"error: step 2: writing the HF weights to {folder / 'step-2-hf'} failed: "
+                                          f"No space left on device; {folder / 'step-2'} is complete"], out[-3000:]
+    _no_traceback_from_the_ranks(out)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2"] and checkpoint_state(folder / "step-2") == "complete"
+
+
 SLOW_RANK_0_WRITES = """
 import time
 
