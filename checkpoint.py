@@ -2,7 +2,7 @@
 
     folder/step-N/                DCP: model, optimizer, LR schedule, step, data position
     folder/step-N/complete.json   written last, once every rank's shards are on disk
-    folder/step-N-hf/             last_save_in_hf: config.json + model.safetensors
+    folder/step-N-hf/             last_save_in_hf: safetensors, the source's config, tokenizer, generation config
 
 DCP reshards on load (a TP 2 checkpoint loads on dp_shard 2 x tp 2 or one process); `get_state_dict` uses
 the plain HF names, without the compile and AC wrappers' prefixes.
@@ -266,22 +266,19 @@ def save_hf(cfg: dict, step: int, model, tokenizer, log) -> None:
         del weights["lm_head.weight"]  # as HF saves a tied model
     weights = {name: w.detach().to(config.dtype) for name, w in weights.items()}
     files = hub_files(weights, cfg["checkpoint"]["hf_max_shard_mb"] * 10**6)
-    failure = decided_on_rank0(lambda: remove(tmp))  # an unfinished export's, or a stray file
-    try:
-        if not failure:  # raises on every rank
-            dcp.save(weights, storage_writer=HuggingFaceStorageWriter(str(tmp / "sharded"), save_distributed=True))
-    except (OSError, CheckpointException) as e:
-        failure = why_save_failed(e, tmp)
-    failure = failure or failure_on_any_rank(lambda: join_shards(tmp, files), tmp)
     size = sum(w.numel() * w.element_size() for w in weights.values())
-    failure = failure or decided_on_rank0(lambda: finish_hf_folder(tmp, path, files, size, config, source, tokenizer))
-    if failure:
+    steps = (lambda: is_rank0() and remove(tmp),  # an unfinished export's, or a stray file
+             lambda: dcp.save(weights, storage_writer=HuggingFaceStorageWriter(  # a file per Hub file: one at a time
+                 str(tmp / "sharded"), fqn_to_index_mapping=files, save_distributed=True)),
+             lambda: join_shards(tmp, files),
+             lambda: is_rank0() and finish_hf_folder(tmp, path, files, size, config, source, tokenizer))
+    if failure := next((f for work in steps if (f := failure_on_any_rank(work, tmp))), None):
         if is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"step {step}: writing the HF weights to {path} failed: {failure}; "
                               f"{path.with_name(f'step-{step}')} is complete")
     set_comm_timeout(cfg["comm"]["train_timeout_seconds"])
-    log(f"checkpoint: wrote the HF weights of step {step} to {path} ({len(set(files.values()))} file(s), "
+    log(f"checkpoint: wrote the HF weights of step {step} to {path} ({max(files.values())} file(s), "
         f"{str(config.dtype).removeprefix('torch.')}) in {time.perf_counter() - start:.1f} s")
 
 
@@ -303,27 +300,30 @@ def export_config(cfg: dict):
     return config, source
 
 
-def hub_files(weights: dict, max_bytes: int) -> dict[str, str]:
-    """Tensor name -> file, as save_pretrained's max_shard_size splits: in order, a new file where the
-    next tensor would pass `max_bytes` (a larger tensor is a file alone); model.safetensors if one."""
-    number, size, numbers = 1, 0, {}
+def hub_files(weights: dict, max_bytes: int) -> dict[str, int]:
+    """Tensor name -> file 1, 2, ..., as save_pretrained's max_shard_size splits: in order, a new file
+    where the next tensor would pass `max_bytes` (a larger tensor is a file alone)."""
+    number, size, files = 1, 0, {}
     for name, w in weights.items():
         nbytes = w.numel() * w.element_size()
         if size and size + nbytes > max_bytes:
             number, size = number + 1, 0
-        numbers[name], size = number, size + nbytes
-    return {name: "model.safetensors" if number == 1 else f"model-{n:05d}-of-{number:05d}.safetensors"
-            for name, n in numbers.items()}
+        files[name], size = number, size + nbytes
+    return files
 
 
-def join_shards(tmp: Path, files: dict[str, str]) -> None:
+def hub_file_name(number: int, files: dict) -> str:
+    last = max(files.values())
+    return "model.safetensors" if last == 1 else f"model-{number:05d}-of-{last:05d}.safetensors"
+
+
+def join_shards(tmp: Path, files: dict[str, int]) -> None:
     """This rank's share of the Hub's files (every world-size-th), each tensor joined from every rank's
     shards in tmp/sharded. Not torch's consolidate_safetensors_files_on_every_rank: on torch 2.10 it
     writes no index (pytorch/torchtitan#2137; 2.11+ without a process group neither), and a rank whose
     write fails leaves the others in its barrier until the timeout, where this one's failure is one line."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    names = sorted(set(files.values()))
-    mine = {tensor: name for tensor, name in files.items() if names.index(name) % world == rank}
+    mine = {tensor: hub_file_name(n, files) for tensor, n in files.items() if (n - 1) % world == rank}
     if mine:
         _consolidate_safetensors_files(str(tmp / "sharded"), str(tmp), mine, num_threads=1)
 
@@ -333,11 +333,11 @@ def remove(path: Path) -> None:
 
 
 def failure_on_any_rank(work, path: Path) -> str | None:
-    """work() on every rank; the first failure's words (why_save_failed), on every rank."""
+    """work() on every rank, then the first rank's failure in words (why_save_failed), on every rank."""
     try:
         work()
         failure = None
-    except OSError as e:
+    except (OSError, CheckpointException) as e:  # DCP's raises on every rank
         failure = why_save_failed(e, path)
     failures = [failure]
     if dist.is_initialized():
@@ -346,26 +346,21 @@ def failure_on_any_rank(work, path: Path) -> str | None:
     return next((f for f in failures if f), None)
 
 
-def finish_hf_folder(tmp: Path, path: Path, files: dict, size: int, config, source: Path | None, tokenizer) -> str | None:
+def finish_hf_folder(tmp: Path, path: Path, files: dict, size: int, config, source: Path | None, tokenizer) -> None:
     """Rank 0, once the safetensors are joined: their index (for several), config.json, the source's
-    generation_config.json (or one from config), the tokenizer's files; then the folder renamed to
-    `path`. None, or why it failed."""
+    generation_config.json (or one from config), the tokenizer's files; then the folder renamed to `path`."""
     from transformers import GenerationConfig
 
-    try:
-        shutil.rmtree(tmp / "sharded")
-        if len(set(files.values())) > 1:
-            index = {"metadata": {"total_size": size}, "weight_map": files}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        config.save_pretrained(tmp)
-        if source and (source / "generation_config.json").is_file():
-            shutil.copyfile(source / "generation_config.json", tmp / "generation_config.json")
-        else:
-            GenerationConfig.from_model_config(config).save_pretrained(tmp)
-        if tokenizer != "bytes":
-            tokenizer.save_pretrained(tmp)
-    except OSError as e:
-        return why_save_failed(e, tmp)
+    shutil.rmtree(tmp / "sharded")
+    if max(files.values()) > 1:
+        index = {"metadata": {"total_size": size}, "weight_map": {t: hub_file_name(n, files) for t, n in files.items()}}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config.save_pretrained(tmp)
+    if source and (source / "generation_config.json").is_file():
+        shutil.copyfile(source / "generation_config.json", tmp / "generation_config.json")
+    else:
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    if tokenizer != "bytes":
+        tokenizer.save_pretrained(tmp)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
-    return None

@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python memory.py                # about 45 minutes on 2 CPU cores
     OMP_NUM_THREADS=1 python memory.py --activations  # long sequences against config.peak_per_rank
+    OMP_NUM_THREADS=1 python memory.py --export [TREE] [--key value ...]  # each rank's peak in the HF export
 
 Each run: compile off, AC none, batch 1 x 64 tokens, no held-out loss; once with glibc's
 allocator as it is, once with a fixed mmap threshold (freed tensors of 128 KiB or more go back
@@ -114,5 +115,63 @@ def activations() -> None:
                       f"{max(peaks) - base['peak']:,.0f} | {estimate - base['estimate']:,.0f} |", flush=True)
 
 
+MEASURED_EXPORT = """
+import os, sys, threading, time
+sys.path.insert(0, os.environ["TREE"])
+import checkpoint, train
+
+
+def anonymous_memory():  # RssAnon: not the pages of a mapped file
+    return int(open("/proc/self/status").read().split("RssAnon:")[1].split()[0]) * 1024
+
+
+def measured(save_hf):
+    def save(*args):
+        before, peak, done = anonymous_memory(), [0], threading.Event()
+        def sample():
+            while not done.is_set():
+                peak[0] = max(peak[0], anonymous_memory() - before)
+                time.sleep(0.001)
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            return save_hf(*args)
+        finally:
+            done.set()
+            sampler.join()
+            print(f"export: rank {os.environ['RANK']} {peak[0] / 2**20:.0f} MiB above {before / 2**20:.0f}", flush=True)
+    return save
+
+
+checkpoint.save_hf = measured(checkpoint.save_hf)
+train.exit_without_finalizing(train.main)
+"""
+
+
+def export(tree: Path, extra: list[str], size: str = "334M", dp_shard: int = 4) -> None:
+    """Each rank's anonymous memory during checkpoint.save_hf above what it held as the export began
+    (sampled every ms, freed tensors returned at once), for `tree`'s train.py (this one's by default):
+    `size` at random initialisation, so float32, on dp_shard ranks."""
+    import tempfile
+
+    model = [arg for key, value in SIZES[size].items() for arg in (f"--model.{key}", str(value))]
+    with tempfile.TemporaryDirectory(prefix="export-") as folder:
+        script = Path(folder, "measured_export.py")
+        script.write_text(MEASURED_EXPORT)
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={dp_shard}", str(script), *FLAGS,
+               *model, "--parallelism.dp_shard", str(dp_shard), "--parallelism.tp", "1", "--checkpoint.enable", "true",
+               "--checkpoint.folder", str(Path(folder, "ckpt")), "--checkpoint.last_save_in_hf", "true", *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=folder,
+                              env={**os.environ, **RETURN_FREED, "TREE": str(tree.resolve())})
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise SystemExit(f"the export on {dp_shard} ranks failed:\n{out[-3000:]}")
+    print(*re.findall(r"^export: .*$|^checkpoint: wrote the HF .*$|^  params \+ optimizer .*$", out, re.M), sep="\n")
+
+
 if __name__ == "__main__":
-    activations() if "--activations" in sys.argv else main()
+    if "--export" in sys.argv:
+        args = sys.argv[sys.argv.index("--export") + 1 :]
+        export(Path(args.pop(0)) if args and not args[0].startswith("--") else HERE, args)
+    else:
+        activations() if "--activations" in sys.argv else main()
