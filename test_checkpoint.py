@@ -373,6 +373,7 @@ def test_bad_checkpoint_input_is_one_line(tmp_root, tmp_path):
         ({"checkpoint.initial_load_path": str(export)}, "is not a complete DCP checkpoint"),
         ({"checkpoint.folder": str(a_file)}, "checkpoint.folder = '{}' is a file, not a folder"),
         ({"checkpoint.interval": 0}, "checkpoint.interval = 0 must be positive"),
+        ({"checkpoint.hf_max_shard_mb": 0}, "checkpoint.hf_max_shard_mb = 0 must be positive"),
         ({"checkpoint.folder": " "}, "checkpoint.folder is empty"),
         ({"checkpoint.enable": False, "checkpoint.last_save_in_hf": True}, "checkpoint.last_save_in_hf needs"),
     ]
