@@ -249,7 +249,7 @@ def load_hf(model, path: Path) -> None:
         del plain["lm_head.weight"]  # the embedding's parameter: loaded with it
     dcp.load(plain, storage_reader=HuggingFaceStorageReader(str(path)))
     if any(plain[name] is not state[name] for name in plain):  # fused weights: copies, set into the strided shards
-        set_model_state_dict(model, plain, options=StateDictOptions(strict=False))
+        set_model_state_dict(model, plain, options=StateDictOptions(strict=False))  # a tied lm_head is not in plain
 
 
 def save_hf(cfg: dict, step: int, model, tokenizer, log) -> None:
@@ -260,7 +260,7 @@ def save_hf(cfg: dict, step: int, model, tokenizer, log) -> None:
     start, path = time.perf_counter(), Path(cfg["checkpoint"]["folder"]) / f"step-{step}-hf"
     tmp = path.with_name(path.name + ".tmp")
     set_comm_timeout(cfg["comm"]["init_timeout_seconds"])  # the others wait while rank 0 writes
-    config, source = export_config(cfg)
+    config, source = export_config(cfg, tokenizer)
     weights = tree_map(without_strided_shards, get_model_state_dict(model))
     if model.config.tie_word_embeddings:
         del weights["lm_head.weight"]  # as HF saves a tied model
@@ -282,9 +282,10 @@ def save_hf(cfg: dict, step: int, model, tokenizer, log) -> None:
         f"{str(config.dtype).removeprefix('torch.')}) in {time.perf_counter() - start:.1f} s")
 
 
-def export_config(cfg: dict):
+def export_config(cfg: dict, tokenizer):
     """(LlamaConfig, source folder or None): the source's config.json as transformers reads it (bos/eos,
-    RoPE: all that is not trained) with its weights' dtype; without one, [model]'s in float32."""
+    RoPE: all that is not trained) with its weights' dtype; without one, [model]'s in float32, with
+    the tokenizer's bos/eos."""
     from safetensors import safe_open
     from transformers import AutoConfig
 
@@ -292,6 +293,8 @@ def export_config(cfg: dict):
     if not c["initial_load_in_hf"]:
         config = hf_config(cfg["model"])
         config.dtype = torch.float32  # the weights trained here
+        if tokenizer != "bytes":
+            config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
         return config, None
     source = Path(c["initial_load_path"])
     config = AutoConfig.from_pretrained(source)
@@ -319,9 +322,9 @@ def hub_file_name(number: int, files: dict) -> str:
 
 def join_shards(tmp: Path, files: dict[str, int]) -> None:
     """This rank's share of the Hub's files (every world-size-th), each tensor joined from every rank's
-    shards in tmp/sharded. Not torch's consolidate_safetensors_files_on_every_rank: on torch 2.10 it
-    writes no index (pytorch/torchtitan#2137; 2.11+ without a process group neither), and a rank whose
-    write fails leaves the others in its barrier until the timeout, where this one's failure is one line."""
+    shards in tmp/sharded. Not torch's consolidate_safetensors_files_on_every_rank: it writes no index on
+    torch 2.10 (pytorch/torchtitan#2137) and on 2.15 only with a process group, and a rank whose write
+    fails leaves the others in its barrier until the timeout; here every rank hears of it (failure_on_any_rank)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = {tensor: hub_file_name(n, files) for tensor, n in files.items() if (n - 1) % world == rank}
     if mine:

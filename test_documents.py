@@ -147,6 +147,25 @@ def test_the_export_is_the_source_folder_with_the_trained_weights(files, hub_run
                        trained.generate(x[:1], max_new_tokens=4, do_sample=False))
 
 
+def test_an_export_with_no_source_folder_takes_bos_and_eos_from_the_tokenizer(files, tmp_path):
+    """The debugmodel trained from scratch on documents: float32, its tokenizer beside it, and
+    config.json's and generation_config.json's bos/eos are the tokenizer's, not LlamaConfig's 1 and 2."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    import checkpoint
+    import train
+
+    cfg = small_config(**{"checkpoint.folder": str(tmp_path), "compile.enable": False})
+    model, *_ = train.build_training(cfg, torch.device("cpu"))
+    tokenizer = AutoTokenizer.from_pretrained(files["llama2"])
+    checkpoint.save_hf(cfg, 1, model, tokenizer, lambda line: None)
+    export, ids = tmp_path / "step-1-hf", (tokenizer.bos_token_id, tokenizer.eos_token_id)
+    config, generation = AutoConfig.from_pretrained(export), GenerationConfig.from_pretrained(export)
+    assert (config.bos_token_id, config.eos_token_id) == (generation.bos_token_id, generation.eos_token_id) == ids == (0, 1)
+    assert config.dtype == torch.float32
+    assert AutoTokenizer.from_pretrained(export)("a text")["input_ids"] == tokenizer("a text")["input_ids"]
+
+
 # the loss per target token when dp ranks hold different counts of targets ---------------------
 
 def uneven_batch():
