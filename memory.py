@@ -139,7 +139,8 @@ def measured(save_hf):
         finally:
             done.set()
             sampler.join()
-            print(f"export: rank {os.environ['RANK']} {peak[0] / 2**20:.0f} MiB above {before / 2**20:.0f}", flush=True)
+            line = f"export: rank {os.environ['RANK']} {peak[0] / 2**20:.0f} MiB above {before / 2**20:.0f}\\n"
+            os.write(1, line.encode())  # one write: the ranks share the pipe
     return save
 
 
