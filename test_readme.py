@@ -32,8 +32,6 @@ from conftest import (HERE, HOOK_GUARD_BUG, NUM_BLOCKS, STEPS, TP, _torchrun_cmd
 from harness import build_family, forget_the_last_model, whole_gradients
 from workarounds import FOREACH_SCALES_PARTIAL_GRADIENTS
 
-FOREACH = None if FOREACH_SCALES_PARTIAL_GRADIENTS else False  # clip_grad_norm_'s, as README's Limits say
-
 EMBEDDING_LINE = "    model.model.embed_tokens.register_forward_hook(lambda _m, _i, out: out.clone())\n"
 
 
@@ -137,7 +135,7 @@ def plain_trainer(code: str, arch: str, plan: str, cfg: dict, batches: list, tp_
             with loss_parallel():
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
                 loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t["max_norm"], foreach=FOREACH)
+            grad_norm = recipe["clip_grad_norm_"](model, t["max_norm"])  # README's, as pasted
             if step == 0:
                 grads = whole_gradients(model)
                 if dist.get_rank() == 0:
@@ -335,9 +333,9 @@ dist.destroy_process_group()
 
 @pytest.mark.recompile_proof
 def test_without_the_clip_workaround_torch_2_10_leaves_sequence_parallel_gradients_unscaled(tmp_path):
-    """workarounds.clip_grad_norm_ and README's Limits (foreach=False on torch 2.10.0 and 2.11.0): there the
-    foreach path leaves a Partial gradient as it was. When torchtitan's scales it on every torch
-    CI runs, the workaround and README's sentence may go."""
+    """workarounds.clip_grad_norm_ and README's clip_grad_norm_ (foreach=False for torch 2.10.0 and 2.11.0):
+    there the foreach path leaves a Partial gradient as it was. When torchtitan's scales it on every
+    torch CI runs, the workaround and README's foreach=False may go."""
     script = tmp_path / "partial_gradient_clipped.py"
     script.write_text(PARTIAL_GRADIENT_CLIPPED)
     cmd = _torchrun_cmd(script=script)
