@@ -15,6 +15,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -115,32 +117,44 @@ def activations() -> None:
                       f"{max(peaks) - base['peak']:,.0f} | {estimate - base['estimate']:,.0f} |", flush=True)
 
 
+def anonymous_memory() -> int:
+    """This process's resident anonymous memory (RssAnon): not the pages of a mapped safetensors file."""
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("RssAnon:")[1].split()[0]) * 1024
+
+
+def peak_anonymous_memory_above_now(work):
+    """(work(), the most anonymous memory it held above what was held before), sampled every ms."""
+    before, peak, done = anonymous_memory(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], anonymous_memory() - before)
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        return work(), peak[0]
+    finally:
+        done.set()
+        sampler.join()
+
+
 MEASURED_EXPORT = """
-import os, sys, threading, time
-sys.path.insert(0, os.environ["TREE"])
+import os, sys
+sys.path.insert(0, os.environ["HERE"])
+from memory import peak_anonymous_memory_above_now
+sys.path.insert(0, os.environ["TREE"])  # its checkpoint and train, ahead of this tree's
 import checkpoint, train
-
-
-def anonymous_memory():  # RssAnon: not the pages of a mapped file
-    return int(open("/proc/self/status").read().split("RssAnon:")[1].split()[0]) * 1024
 
 
 def measured(save_hf):
     def save(*args):
-        before, peak, done = anonymous_memory(), [0], threading.Event()
-        def sample():
-            while not done.is_set():
-                peak[0] = max(peak[0], anonymous_memory() - before)
-                time.sleep(0.001)
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
-            return save_hf(*args)
-        finally:
-            done.set()
-            sampler.join()
-            line = f"export: rank {os.environ['RANK']} {peak[0] / 2**20:.0f} MiB above {before / 2**20:.0f}\\n"
-            os.write(1, line.encode())  # one write: the ranks share the pipe
+        result, peak = peak_anonymous_memory_above_now(lambda: save_hf(*args))
+        line = f"export: rank {os.environ['RANK']} {peak / 2**20:.0f} MiB\\n"
+        os.write(1, line.encode())  # one write: the ranks share the pipe
+        return result
     return save
 
 
@@ -163,7 +177,7 @@ def export(tree: Path, extra: list[str], size: str = "334M", dp_shard: int = 4) 
                *model, "--parallelism.dp_shard", str(dp_shard), "--parallelism.tp", "1", "--checkpoint.enable", "true",
                "--checkpoint.folder", str(Path(folder, "ckpt")), "--checkpoint.last_save_in_hf", "true", *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=folder,
-                              env={**os.environ, **RETURN_FREED, "TREE": str(tree.resolve())})
+                              env={**os.environ, **RETURN_FREED, "TREE": str(tree.resolve()), "HERE": str(HERE.resolve())})
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise SystemExit(f"the export on {dp_shard} ranks failed:\n{out[-3000:]}")

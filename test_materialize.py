@@ -2,8 +2,6 @@
 parameter on the host; the weights are the ones a seeded one-process build gives. FSDP's
 backward gathers each block, never the embedding."""
 import json
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import train
 from conftest import DP_SHARD, TP, join_gloo, small_config, spawn
 from config import count_parameters, validate
 from harness import hf_name
+from memory import peak_anonymous_memory_above_now
 from model import build_model
 
 # Large enough that the model, not the interpreter, sets each rank's peak: 58M parameters.
@@ -35,30 +34,6 @@ def test_the_meta_build_gives_the_weights_and_buffers_a_seeded_one_process_build
     for (name, b), (_, want) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
         assert torch.equal(b, want), name
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
-
-
-def anonymous_memory() -> int:
-    """This process's resident anonymous memory (RssAnon): not the pages of a mapped safetensors file."""
-    status = Path("/proc/self/status").read_text()
-    return int(status.split("RssAnon:")[1].split()[0]) * 1024
-
-
-def peak_anonymous_memory_above_now(work):
-    """(work(), the most anonymous memory it held above what was held before), sampled every ms."""
-    before, peak, done = anonymous_memory(), [0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], anonymous_memory() - before)
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        return work(), peak[0]
-    finally:
-        done.set()
-        sampler.join()
 
 
 class LargestCopy(TorchDispatchMode):
