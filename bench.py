@@ -121,7 +121,7 @@ def build_titan(cfg: dict, device):
                  op_sac_save_list=OP_SAC_SAVE_LIST)
     apply_compile(model, Compile(enable=True, backend="inductor"))
     model.train()
-    return model, *build_optimizer(model, t)
+    return model, *build_optimizer(model, cfg)
 
 
 def build_native(cfg: dict, device, folder: Path):
@@ -148,7 +148,7 @@ def build_native(cfg: dict, device, folder: Path):
     for block in model.model.layers:
         block.compile(backend="inductor", fullgraph=True)
     model.train()
-    return model.to(device), *build_optimizer(model, t)
+    return model.to(device), *build_optimizer(model, cfg)
 
 
 def clip_dtensor_and_plain_grads_(parameters, max_norm: float):

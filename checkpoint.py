@@ -1,8 +1,7 @@
-"""Checkpoints that survive a killed rank, on any mesh, and Hugging Face weights in and out.
+"""Checkpoints that survive a killed rank, on any mesh, and Hugging Face weights in (out: hf_export.py).
 
     folder/step-N/                DCP: model, optimizer, LR schedule, step, data position
     folder/step-N/complete.json   written last, once every rank's shards are on disk
-    folder/step-N-hf/             last_save_in_hf: safetensors, the source's config, tokenizer, generation config
 
 DCP reshards on load (a TP 2 checkpoint loads on dp_shard 2 x tp 2 or one process); `get_state_dict` uses
 the plain HF names, without the compile and AC wrappers' prefixes.
@@ -15,18 +14,15 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidate_safetensors_files
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.utils._pytree import tree_map
 
 from family_plan import without_strided_shards
-from model import hf_config
 from workarounds import set_comm_timeout
 
 MARKER = "complete.json"
@@ -83,16 +79,16 @@ def write_marker(path: Path, step: int, run: dict) -> str | None:
     return None
 
 
-# Keys a resume refuses to change, as any [model] key: a data position is into these documents,
-# one per dp rank (the standard library's bytes have one position, for any dp_shard).
-REFUSED = ("training.lr", "training.warmup_steps", "training.seed", "data.path", "data.tokenizer")
+# Keys a resume refuses to change, as any [model], [optimizer] or [lr_scheduler] key: a data position is into
+# these documents, one per dp rank (the standard library's bytes have one position, for any dp_shard).
+REFUSED = ("training.seed", "data.path", "data.tokenizer")
 
 
 def run_record(cfg: dict) -> dict:
     """What complete.json records of the run that wrote it (require_same_run)."""
     t, p, d = cfg["training"], cfg["parallelism"], cfg["data"]
-    return {"model": cfg["model"],
-            "training": {k: t[k] for k in ("lr", "warmup_steps", "seed", "steps", "local_batch_size", "seq_len")},
+    return {"model": cfg["model"], "optimizer": cfg["optimizer"], "lr_scheduler": cfg["lr_scheduler"],
+            "training": {k: t[k] for k in ("seed", "steps", "local_batch_size", "global_batch_size", "seq_len")},
             "parallelism": {"dp_shard": p["dp_shard"], "tp": p["tp"]},
             "data": {"path": d["path"], "tokenizer": d["tokenizer"]}}
 
@@ -225,14 +221,15 @@ def require_same_run(path: Path, cfg: dict, log, every_key: bool = True) -> None
         changed = [(f"{part}.{key}", saved.get(part, {}).get(key), value) for part in now if every_key or part == "model"
                    for key, value in now[part].items() if saved.get(part, {}).get(key) != value]
         per_dp_rank = ("parallelism.dp_shard",) if cfg["data"]["path"] else ()
-        refused = [c for c in changed if c[0].startswith("model.") or c[0] in REFUSED + per_dp_rank]
+        refused = [c for c in changed if c[0].startswith(("model.", "optimizer.", "lr_scheduler.")) or
+                   c[0] in REFUSED + per_dp_rank]
         return refused[:1], changed and "checkpoint: resuming with " + ", ".join(f"{k} {a} -> {b}" for k, a, b in changed)
     refused, note = decided_on_rank0(compare)
     if refused:
         [(key, was, value)] = refused
         raise CheckpointError(f"{path} was written with {key} = {was!r}, this run has {value!r}: resume with the "
-                              "same [model], training.lr, warmup_steps, seed, [data] documents and their dp_shard, "
-                              "or use another checkpoint.folder")
+                              "same [model], [optimizer], [lr_scheduler], training.seed, [data] documents and their "
+                              "dp_shard, or use another checkpoint.folder")
     if note:
         log(note)
 
@@ -250,120 +247,3 @@ def load_hf(model, path: Path) -> None:
     dcp.load(plain, storage_reader=HuggingFaceStorageReader(str(path)))
     if any(plain[name] is not state[name] for name in plain):  # fused weights: copies, set into the strided shards
         set_model_state_dict(model, plain, options=StateDictOptions(strict=False))  # a tied lm_head is not in plain
-
-
-def save_hf(cfg: dict, step: int, model, tokenizer, log) -> None:
-    """step-N-hf/: the weights in the source folder's dtype, with its config, generation config and
-    `tokenizer` (data.Corpus's), in files as save_pretrained splits them. Each rank writes its shards
-    (DCP's HuggingFaceStorageWriter), then joins some of the Hub's files from every rank's: no rank
-    holds more than one whole tensor. Built in step-N-hf.tmp, renamed once whole."""
-    start, path = time.perf_counter(), Path(cfg["checkpoint"]["folder"]) / f"step-{step}-hf"
-    tmp = path.with_name(path.name + ".tmp")
-    set_comm_timeout(cfg["comm"]["init_timeout_seconds"])  # the others wait while rank 0 writes
-    config, source = export_config(cfg, tokenizer)
-    weights = tree_map(without_strided_shards, get_model_state_dict(model))
-    if model.config.tie_word_embeddings:
-        del weights["lm_head.weight"]  # as HF saves a tied model
-    weights = {name: w.detach().to(config.dtype) for name, w in weights.items()}
-    files = hub_files(weights, cfg["checkpoint"]["hf_max_shard_mb"] * 10**6)
-    size = sum(w.numel() * w.element_size() for w in weights.values())
-    steps = (lambda: is_rank0() and remove(tmp),  # an unfinished export's, or a stray file
-             lambda: dcp.save(weights, storage_writer=HuggingFaceStorageWriter(  # a file per Hub file: one at a time
-                 str(tmp / "sharded"), fqn_to_index_mapping=files, save_distributed=True)),
-             lambda: join_shards(tmp, files),
-             lambda: is_rank0() and finish_hf_folder(tmp, path, files, size, config, source, tokenizer))
-    if failure := next((f for work in steps if (f := failure_on_any_rank(work, tmp))), None):
-        if is_rank0():
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"step {step}: writing the HF weights to {path} failed: {failure}; "
-                              f"{path.with_name(f'step-{step}')} is complete")
-    set_comm_timeout(cfg["comm"]["train_timeout_seconds"])
-    log(f"checkpoint: wrote the HF weights of step {step} to {path} ({max(files.values())} file(s), "
-        f"{str(config.dtype).removeprefix('torch.')}) in {time.perf_counter() - start:.1f} s")
-
-
-def export_config(cfg: dict, tokenizer):
-    """(LlamaConfig, source folder or None): the source's config.json as transformers reads it (bos/eos,
-    RoPE: all that is not trained) with its weights' dtype; without one, [model]'s in float32, with
-    the tokenizer's bos/eos."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    c = cfg["checkpoint"]
-    if not c["initial_load_in_hf"]:
-        config = hf_config(cfg["model"])
-        config.dtype = torch.float32  # the weights trained here
-        if tokenizer != "bytes":
-            config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-        return config, None
-    source = Path(c["initial_load_path"])
-    config = AutoConfig.from_pretrained(source)
-    with safe_open(sorted(source.glob("*.safetensors"))[0], "pt") as f:
-        config.dtype = f.get_slice(next(iter(f.keys())))[:1].dtype  # as stored, whatever config.json says
-    return config, source
-
-
-def hub_files(weights: dict, max_bytes: int) -> dict[str, int]:
-    """Tensor name -> file 1, 2, ..., as save_pretrained's max_shard_size splits: in order, a new file
-    where the next tensor would pass `max_bytes` (a larger tensor is a file alone)."""
-    number, size, files = 1, 0, {}
-    for name, w in weights.items():
-        nbytes = w.numel() * w.element_size()
-        if size and size + nbytes > max_bytes:
-            number, size = number + 1, 0
-        files[name], size = number, size + nbytes
-    return files
-
-
-def hub_file_name(number: int, files: dict) -> str:
-    last = max(files.values())
-    return "model.safetensors" if last == 1 else f"model-{number:05d}-of-{last:05d}.safetensors"
-
-
-def join_shards(tmp: Path, files: dict[str, int]) -> None:
-    """This rank's share of the Hub's files (every world-size-th), each tensor joined from every rank's
-    shards in tmp/sharded. Not torch's consolidate_safetensors_files_on_every_rank: it writes no index on
-    torch 2.10 (pytorch/torchtitan#2137) and on 2.15 only with a process group, and a rank whose write
-    fails leaves the others in its barrier until the timeout; here every rank hears of it (failure_on_any_rank)."""
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine = {tensor: hub_file_name(n, files) for tensor, n in files.items() if (n - 1) % world == rank}
-    if mine:
-        _consolidate_safetensors_files(str(tmp / "sharded"), str(tmp), mine, num_threads=1)
-
-
-def remove(path: Path) -> None:
-    shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-
-
-def failure_on_any_rank(work, path: Path) -> str | None:
-    """work() on every rank, then the first rank's failure in words (why_save_failed), on every rank."""
-    try:
-        work()
-        failure = None
-    except (OSError, CheckpointException) as e:  # DCP's raises on every rank
-        failure = why_save_failed(e, path)
-    failures = [failure]
-    if dist.is_initialized():
-        failures = [None] * dist.get_world_size()
-        dist.all_gather_object(failures, failure)
-    return next((f for f in failures if f), None)
-
-
-def finish_hf_folder(tmp: Path, path: Path, files: dict, size: int, config, source: Path | None, tokenizer) -> None:
-    """Rank 0, once the safetensors are joined: their index (for several), config.json, the source's
-    generation_config.json (or one from config), the tokenizer's files; then the folder renamed to `path`."""
-    from transformers import GenerationConfig
-
-    shutil.rmtree(tmp / "sharded")
-    if max(files.values()) > 1:
-        index = {"metadata": {"total_size": size}, "weight_map": {t: hub_file_name(n, files) for t, n in files.items()}}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config.save_pretrained(tmp)
-    if source and (source / "generation_config.json").is_file():
-        shutil.copyfile(source / "generation_config.json", tmp / "generation_config.json")
-    else:
-        GenerationConfig.from_model_config(config).save_pretrained(tmp)
-    if tokenizer != "bytes":
-        tokenizer.save_pretrained(tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)

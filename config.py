@@ -22,19 +22,25 @@ SCHEMA = {  # every key and its type, in config.toml's order
                   intermediate_size=int, vocab_size=int, tie_word_embeddings=bool, rms_norm_eps=float,
                   max_position_embeddings=int, attn_implementation=str,
                   rope_parameters=dict),  # any RoPE transformers' Llama takes, checked by LlamaConfig
-    "training": dict(steps=int, local_batch_size=int, seq_len=int, lr=float, warmup_steps=int, max_norm=float,
-                     seed=int, mixed_precision_param=str, mixed_precision_reduce=str, float32_matmul_precision=str),
+    "training": dict(steps=int, local_batch_size=int, global_batch_size=int, seq_len=int, max_norm=float, seed=int,
+                     mixed_precision_param=str, mixed_precision_reduce=str, float32_matmul_precision=str),
+    "optimizer": dict(lr=float, beta1=float, beta2=float, eps=float, weight_decay=float),  # torchtitan's names
+    "lr_scheduler": dict(warmup_steps=int, decay_ratio=float, decay_type=str, min_lr_factor=float),
     "parallelism": dict(dp_shard=int, tp=int, decoder_layer=str, attention_gather=str, loss_parallel=bool),
     "activation_checkpoint": dict(mode=str, selective_ac_option=str),
     "compile": dict(enable=bool, backend=str, fail_on_recompile=bool),
-    "data": dict(path=str, tokenizer=str, max_bytes=int, eval_batches=int),
-    "metrics": dict(measure_cpu_peak=bool),
+    "data": dict(path=str, tokenizer=str, max_bytes=int),
+    "validation": dict(enable=bool, freq=int, steps=int),
+    "metrics": dict(measure_cpu_peak=bool, log_freq=int, enable_tensorboard=bool, save_tb_folder=str),
     "checkpoint": dict(enable=bool, folder=str, interval=int, keep_latest_k=int,  # torchtitan's names
                        initial_load_path=str, initial_load_in_hf=bool, last_save_in_hf=bool, hf_max_shard_mb=int),
     "comm": dict(init_timeout_seconds=int, train_timeout_seconds=int),
 }
 
 ATTENTION_GATHERS = ("pre_hook", "norm_output")  # parallelize.block_plan
+ZERO_OR_LESS = ("optimizer.beta1", "optimizer.beta2", "optimizer.weight_decay", "lr_scheduler.decay_ratio",
+                "lr_scheduler.min_lr_factor")  # floats that may be 0 (or -1), checked by check_optimizer
+DECAY_TYPES = ("linear", "sqrt", "cosine")  # torchtitan's lr_scheduler.decay_type
 DTYPES = ("float32", "bfloat16")  # FSDP2's MixedPrecisionPolicy, else autocast's (parallelize.autocast)
 
 
@@ -132,10 +138,14 @@ def validate(cfg: dict, world_size: int, overrides: dict | None = None) -> None:
     check_table(cfg, SCHEMA)
     check_model(cfg["model"])
     check_training(cfg["training"], cfg["model"])
+    check_optimizer(cfg["optimizer"], cfg["lr_scheduler"])
     check_parallelism(cfg, world_size)
     check_activation_checkpoint(cfg["activation_checkpoint"])
     check_compile(cfg["compile"])
-    check_data(cfg["data"])
+    require(cfg["data"]["max_bytes"] >= 1_000_000, f"data.max_bytes = {cfg['data']['max_bytes']} must be >= 1000000")
+    require_positive(cfg["validation"], "validation", "freq")
+    require(cfg["validation"]["steps"] >= 0, f"validation.steps = {cfg['validation']['steps']} must be >= 0")
+    require_positive(cfg["metrics"], "metrics", "log_freq")
     check_checkpoint(cfg["checkpoint"], cfg["model"])
     require_positive(cfg["comm"], "comm", "init_timeout_seconds", "train_timeout_seconds")
 
@@ -160,8 +170,10 @@ def check_table(values: dict, fields: dict, prefix: str = "") -> None:
             values[key] = value = typ(value)  # 8 as 8.0; selective_ac_option = 2 as "2"
         require(isinstance(value, typ) and not (typ is int and isinstance(value, bool)),
                 f"{name} = {value!r} must be of type {kind}")
-        # Every float here (lr, max_norm, rms_norm_eps, RoPE's) is positive; others train on NaN.
-        require(typ is not float or (math.isfinite(value) and value > 0), f"{name} = {value} must be finite and > 0")
+        # Every float here is finite, and positive (lr, max_norm, rms_norm_eps, RoPE's) but for ZERO_OR_LESS's.
+        positive = name not in ZERO_OR_LESS
+        require(typ is not float or (math.isfinite(value) and (value > 0 or not positive)),
+                f"{name} = {value} must be finite" + " and > 0" * positive)
 
 
 def check_model(m: dict) -> None:
@@ -201,13 +213,28 @@ def rope_problem(m: dict) -> str | None:
 
 def check_training(t: dict, m: dict) -> None:
     require_positive(t, "training", "steps", "local_batch_size", "seq_len")
-    require(t["warmup_steps"] >= 0, f"training.warmup_steps = {t['warmup_steps']} must be >= 0")
     require(t["seq_len"] <= m["max_position_embeddings"],
             f"training.seq_len = {t['seq_len']} must be <= model.max_position_embeddings = "
             f"{m['max_position_embeddings']}")
     for key, allowed in (("mixed_precision_param", DTYPES), ("mixed_precision_reduce", DTYPES),
                          ("float32_matmul_precision", ("highest", "high", "medium"))):  # torch's names
         require(t[key] in allowed, f"training.{key} = {t[key]!r} must be one of {list(allowed)}")
+
+
+def check_optimizer(o: dict, s: dict) -> None:
+    require(0 <= o["beta1"] < 1 and 0 <= o["beta2"] < 1, f"optimizer.beta1, beta2 = {o['beta1']}, {o['beta2']} must be in [0, 1)")
+    require(o["eps"] > 0 and o["weight_decay"] >= 0, f"optimizer.eps = {o['eps']} must be > 0, weight_decay >= 0")
+    require(s["warmup_steps"] >= 0, f"lr_scheduler.warmup_steps = {s['warmup_steps']} must be >= 0")
+    require(s["decay_ratio"] == -1 or 0 < s["decay_ratio"] <= 1,
+            f"lr_scheduler.decay_ratio = {s['decay_ratio']} must be in (0, 1], or -1 (every step after the warm-up)")
+    require(s["decay_type"] in DECAY_TYPES, f"lr_scheduler.decay_type = {s['decay_type']!r} must be one of {list(DECAY_TYPES)}")
+    require(0 <= s["min_lr_factor"] <= 1, f"lr_scheduler.min_lr_factor = {s['min_lr_factor']} must be in [0, 1]")
+
+
+def global_batch_size(cfg: dict) -> int:
+    """Windows a step trains on, all dp ranks' microbatches: training.global_batch_size, -1 resolved."""
+    t = cfg["training"]
+    return t["global_batch_size"] if t["global_batch_size"] > 0 else t["local_batch_size"] * cfg["parallelism"]["dp_shard"]
 
 
 def check_parallelism(cfg: dict, world_size: int) -> None:
@@ -222,6 +249,10 @@ def check_parallelism(cfg: dict, world_size: int) -> None:
             f"parallelism.decoder_layer = {p['decoder_layer']!r} must be one of {list(DECODER_LAYERS)}")
     require(p["attention_gather"] in ATTENTION_GATHERS,
             f"parallelism.attention_gather = {p['attention_gather']!r} must be one of {list(ATTENTION_GATHERS)}")
+    per_microbatch = t["local_batch_size"] * dp_shard
+    require(t["global_batch_size"] == -1 or (t["global_batch_size"] > 0 and t["global_batch_size"] % per_microbatch == 0),
+            f"training.global_batch_size = {t['global_batch_size']} must be -1 or a multiple of training.local_batch_size "
+            f"x parallelism.dp_shard = {per_microbatch}")
     # torchtitan ignores it without FSDP; a setting that would do nothing is an error here.
     require(t["mixed_precision_reduce"] == "float32" or dp_shard > 1, f"training.mixed_precision_reduce = "
             f"{t['mixed_precision_reduce']!r} needs parallelism.dp_shard > 1: FSDP2 reduce-scatters the gradients")
@@ -239,11 +270,6 @@ def check_compile(comp: dict) -> None:
     backend = comp["backend"]
     require(backend in list_backends(exclude_tags=()),
             f"compile.backend = {backend!r} is not a torch.compile backend ({', '.join(list_backends())}, ...)")
-
-
-def check_data(data: dict) -> None:
-    require(data["max_bytes"] >= 1_000_000, f"data.max_bytes = {data['max_bytes']} must be >= 1000000")
-    require(data["eval_batches"] >= 0, f"data.eval_batches = {data['eval_batches']} must be >= 0")
 
 
 def check_checkpoint(c: dict, model_cfg: dict) -> None:

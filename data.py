@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from config import global_batch_size
+
 SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # datasets' builders
 IGNORED = -100  # F.cross_entropy's ignore_index
 
@@ -49,7 +51,7 @@ def prepare(cfg: dict) -> Corpus:
     ids = 256 if tokenizer == "bytes" else len(tokenizer)
     require_vocabulary(ids, source, m)
     train, held_out = split_documents(load_documents(d["path"]))
-    need = t["local_batch_size"] * cfg["parallelism"]["dp_shard"] * t["seq_len"] + 1
+    need = global_batch_size(cfg) * t["seq_len"] + 1
     if (have := count_tokens(train, tokenizer, need)) < need:
         raise DataError(f"data.path = {d['path']!r} holds {have:,} training tokens ({len(train)} documents, every "
                         f"10th held out), fewer than one global batch's {need:,}")
@@ -62,24 +64,24 @@ def require_vocabulary(size: int, source: str, m: dict) -> None:
 
 
 def training_batches(corpus: Corpus, cfg: dict, dp_mesh=None):
-    """(endless batches of this rank, their position: what a checkpoint saves with get_state/set_state)."""
-    t = cfg["training"]
+    """(endless batches: this rank's share of each step, all its microbatches; their position, which checkpoints save)."""
+    t, rank_batch = cfg["training"], global_batch_size(cfg) // cfg["parallelism"]["dp_shard"]
     if isinstance(corpus.train, torch.Tensor):
         generator = torch.Generator().manual_seed(t["seed"])
-        return random_windows(corpus.train, t["local_batch_size"], t["seq_len"], generator, dp_mesh), generator
-    packed = PackedDocuments(corpus.train, corpus.tokenizer, t["local_batch_size"], t["seq_len"], dp_mesh)
+        return random_windows(corpus.train, rank_batch, t["seq_len"], generator, dp_mesh), generator
+    packed = PackedDocuments(corpus.train, corpus.tokenizer, rank_batch, t["seq_len"], dp_mesh)
     return iter(packed), packed
 
 
 def held_out_batches(corpus: Corpus, cfg: dict, dp_mesh=None):
-    """Batches of held-out data, always the same ones; None where a dp rank would get no document."""
-    t = cfg["training"]
+    """Batches of held-out data as training's, always the same ones; None where a dp rank would get no document."""
+    t, rank_batch = cfg["training"], global_batch_size(cfg) // cfg["parallelism"]["dp_shard"]
     if isinstance(corpus.held_out, torch.Tensor):
         generator = torch.Generator().manual_seed(t["seed"] + 1)
-        return random_windows(corpus.held_out, t["local_batch_size"], t["seq_len"], generator, dp_mesh)
+        return random_windows(corpus.held_out, rank_batch, t["seq_len"], generator, dp_mesh)
     if len(corpus.held_out) < dp_coordinates(dp_mesh)[1]:
         return None
-    return iter(PackedDocuments(corpus.held_out, corpus.tokenizer, t["local_batch_size"], t["seq_len"], dp_mesh))
+    return iter(PackedDocuments(corpus.held_out, corpus.tokenizer, rank_batch, t["seq_len"], dp_mesh))
 
 
 # -----------------------------------------------------------------------------

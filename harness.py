@@ -34,7 +34,8 @@ def small_config(**overrides) -> dict:
         cfg = tomllib.load(f)
     cfg["model"]["num_hidden_layers"] = NUM_BLOCKS
     cfg["training"].update(steps=STEPS, local_batch_size=2, seq_len=64)
-    cfg["data"].update(max_bytes=1_000_000, eval_batches=1)
+    cfg["data"]["max_bytes"] = 1_000_000
+    cfg["validation"]["steps"] = 1
     for dotted, value in overrides.items():
         section, key = dotted.split(".")
         cfg[section][key] = value
@@ -99,7 +100,7 @@ def run_training(cfg: dict, world_size: int, device=torch.device("cpu"), arch: s
         torch.manual_seed(t["seed"])
         model = build_family(arch, cfg["model"], window=window).to(device)
         parallelize.parallelize(model, parallel_dims, cfg)
-        optimizer, scheduler = train.build_optimizer(model, t)
+        optimizer, scheduler = train.build_optimizer(model, cfg)
     # FSDP2 puts with_kwargs=True pre-hooks on the modules it shards (outside the compiled
     # frames); the bug's precondition is one on attention, inside every compiled block.
     kwargs_hooks = sorted(n for n, m in model.named_modules() if m._forward_pre_hooks_with_kwargs)

@@ -27,7 +27,7 @@ SIZES = {  # [model] overrides; the vocabulary of a real tokenizer
 }
 MESHES = {"1 process": (1, 1), "dp_shard 2": (2, 1), "dp_shard 4": (4, 1), "dp_shard 2 x tp 2": (2, 2)}
 FLAGS = ["--compile.enable", "false", "--activation_checkpoint.mode", "none", "--training.steps", "2",
-         "--training.local_batch_size", "1", "--training.seq_len", "64", "--data.eval_batches", "0",
+         "--training.local_batch_size", "1", "--training.seq_len", "64", "--validation.steps", "0",
          "--metrics.measure_cpu_peak", "false"]
 
 
@@ -145,8 +145,12 @@ MEASURED_EXPORT = """
 import os, sys
 sys.path.insert(0, os.environ["HERE"])
 from memory import peak_anonymous_memory_above_now
-sys.path.insert(0, os.environ["TREE"])  # its checkpoint and train, ahead of this tree's
-import checkpoint, train
+sys.path.insert(0, os.environ["TREE"])  # its modules and train, ahead of this tree's
+import train
+try:
+    import hf_export as exporter
+except ImportError:  # a tree from before hf_export.py: the export in checkpoint.py
+    import checkpoint as exporter
 
 
 def measured(save_hf):
@@ -158,13 +162,13 @@ def measured(save_hf):
     return save
 
 
-checkpoint.save_hf = measured(checkpoint.save_hf)
+exporter.save_hf = measured(exporter.save_hf)
 train.exit_without_finalizing(train.main)
 """
 
 
 def export(tree: Path, extra: list[str], size: str = "334M", dp_shard: int = 4) -> None:
-    """Each rank's anonymous memory during checkpoint.save_hf above what it held as the export began
+    """Each rank's anonymous memory during save_hf above what it held as the export began
     (sampled every ms, freed tensors returned at once), for `tree`'s train.py (this one's by default):
     `size` at random initialisation, so float32, on dp_shard ranks."""
     import tempfile

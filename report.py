@@ -1,8 +1,10 @@
 """What a run reports: its set-up line, TP groups by node, the summary. Every rank gathers; rank 0 logs."""
 
+import datetime
 import resource
 import statistics
 import types
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -10,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.tools.utils import get_peak_flops
 
+from config import global_batch_size
 from parallelize import bfloat16_by
 
 
@@ -17,9 +20,8 @@ def mesh_name(cfg: dict) -> str:
     return f"dp_shard {cfg['parallelism']['dp_shard']} × tp {cfg['parallelism']['tp']}"
 
 
-def tokens_per_step(cfg: dict) -> int:  # the global batch: every data-parallel rank's windows
-    t = cfg["training"]
-    return t["local_batch_size"] * cfg["parallelism"]["dp_shard"] * t["seq_len"]
+def tokens_per_step(cfg: dict) -> int:  # the global batch: every data-parallel rank's microbatches
+    return global_batch_size(cfg) * cfg["training"]["seq_len"]
 
 
 def run_line(cfg: dict, world_size: int, device: torch.device) -> str:
@@ -113,6 +115,29 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux: KiB
 
 
+def tensorboard(cfg: dict, model, device: torch.device, peak: tuple[float, str] | None, rank: int):
+    """On rank 0 with metrics.enable_tensorboard, torchtitan's TensorBoardLogger in save_tb_folder/<date-time>/,
+    as a function of a step's numbers: every log_freq steps its loss, lr, grad norm, tokens/s, MFU and peak
+    memory; a validation loss at any step. Flushed each time: a killed run keeps what it logged."""
+    m = cfg["metrics"]
+    if not m["enable_tensorboard"] or rank != 0:
+        return None
+    from torchtitan.components.metrics import TensorBoardLogger
+
+    logger = TensorBoardLogger(str(Path(m["save_tb_folder"]) / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")))
+    flops = flops_per_token(model, cfg)
+
+    def log(step: int, loss: float, lr: float, grad_norm: float, step_time: float, validation_loss: float | None):
+        values = {} if validation_loss is None else {"validation_loss": validation_loss}
+        if step % m["log_freq"] == 0:
+            tokens_per_s = tokens_per_step(cfg) / step_time
+            values.update(loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s,
+                          peak_memory_mib=peak_memory_mib(device), **({"mfu": flops * tokens_per_s / peak[0]} if peak else {}))
+        logger.log(values, step)
+        logger.writer.flush()
+    return log
+
+
 def params_and_optimizer_mib(model, optimizer) -> tuple[float, float]:
     """(this rank's share, the unsharded total) of parameters + optimizer state, in MiB: what TP
     and FSDP shard, which RSS hides. A DTensor's numel() is global, its local tensor the shard."""
@@ -178,3 +203,5 @@ def log_summary(cfg: dict, run, held_out_loss: float | None, model, optimizer, d
     log(f"  compiled graphs      {graphs} for {cfg['model']['num_hidden_layers']} blocks")
     log(f"  recompiles           {recompiles}")
     log(f"  loss                 {run.losses[0]:.4f} -> {run.losses[-1]:.4f}" + (f" ({', '.join(notes)})" if notes else ""))
+    log(f"  learning rate        {run.lrs[0]:.4g} at step {first}, {run.lrs[-1]:.4g} at step {last}, "
+        f"{optimizer.param_groups[0]['lr']:.4g} after it (the schedule's end)")

@@ -13,7 +13,7 @@ import pytest
 from conftest import HERE, _losses, _torchrun_cmd, again_if_a_rank_died_of_a_signal
 
 SMALL = ("--training.steps", "3", "--model.num_hidden_layers", "2", "--training.seq_len", "64",
-         "--training.local_batch_size", "2", "--data.max_bytes", "1000000", "--data.eval_batches", "1",
+         "--training.local_batch_size", "2", "--data.max_bytes", "1000000", "--validation.steps", "1",
          "--metrics.measure_cpu_peak", "false")
 
 WITHOUT_WORKAROUND = """

@@ -21,7 +21,7 @@ from data import load_stdlib_bytes, random_windows
 
 
 SMALL = ("--model.num_hidden_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
-         "--data.max_bytes", "1000000", "--data.eval_batches", "1", "--metrics.measure_cpu_peak", "false")  # 1 s
+         "--data.max_bytes", "1000000", "--validation.steps", "1", "--metrics.measure_cpu_peak", "false")  # 1 s
 CKPT_STEPS = 20
 
 
@@ -217,7 +217,7 @@ def test_hf_export_writes_over_an_unfinished_one(tmp_path, stray):
     it. A file once made save_pretrained raise AssertionError: a traceback, not one line."""
     from safetensors.torch import load_file
 
-    from checkpoint import save_hf
+    from hf_export import save_hf
     from train import build_training
 
     cfg = small_config(**{"checkpoint.folder": str(tmp_path), "compile.enable": False})
@@ -491,7 +491,7 @@ def _fused_family_main(rank: int, port: int, folder: str) -> None:
             model = build_family(family, cfg["model"])
             parallel_dims = parallelize.build_parallel_dims(cfg, 4, "cpu")
             parallelize.parallelize(model, parallel_dims, cfg)
-            return (model, *train.build_optimizer(model, t), parallel_dims.get_optional_mesh("batch"))
+            return (model, *train.build_optimizer(model, cfg), parallel_dims.get_optional_mesh("batch"))
 
         def run(model, optimizer, scheduler, generator, dp_mesh, steps, save_after=None):
             batches = random_windows(data, t["local_batch_size"], t["seq_len"], generator, dp_mesh)

@@ -31,7 +31,14 @@ BAD_CONFIGS = [
      "training.float32_matmul_precision = 'tf32' must be one of ['highest', 'high', 'medium']"),
     ({"training.mixed_precision_reduce": "float16"},
      "training.mixed_precision_reduce = 'float16' must be one of ['float32', 'bfloat16']"),
-    ({"training.lr": "fast"}, "training.lr = 'fast' must be of type float"),
+    ({"optimizer.lr": "fast"}, "optimizer.lr = 'fast' must be of type float"),
+    ({"lr_scheduler.decay_type": "step"}, "lr_scheduler.decay_type = 'step' must be one of ['linear', 'sqrt', 'cosine']"),
+    ({"lr_scheduler.min_lr_factor": 1.5}, "lr_scheduler.min_lr_factor = 1.5 must be in [0, 1]"),
+    ({"lr_scheduler.decay_ratio": 0.0}, "lr_scheduler.decay_ratio = 0.0 must be in (0, 1], or -1"),
+    ({"optimizer.beta2": 1.0}, "optimizer.beta1, beta2 = 0.9, 1.0 must be in [0, 1)"),
+    ({"training.global_batch_size": 5}, "training.global_batch_size = 5 must be -1 or a multiple of training.local_batch_size "
+                                       "x parallelism.dp_shard = 2"),
+    ({"validation.freq": 0}, "validation.freq = 0 must be positive"),
     ({"compile.enable": 1}, "compile.enable = 1 must be of type bool"),
     ({"training.warmup": 3}, "unknown key training.warmup"),
     ({"parallelism.decoder_layer": "patched"}, "parallelism.decoder_layer = 'patched' must be one of"),
@@ -84,12 +91,12 @@ def test_minus_one_takes_the_ranks_the_other_degree_leaves(world_size, dp_shard,
 
 
 def test_command_line_overrides_are_toml_literals_or_text():
-    path, overrides = parse_args(["--parallelism.dp_shard", "-1", "--training.lr=1e-3", "--compile.enable",
+    path, overrides = parse_args(["--parallelism.dp_shard", "-1", "--optimizer.lr=1e-3", "--compile.enable",
                                   "false", "--training.mixed_precision_param", "bfloat16", "--config", "c.toml",
-                                  "--data.eval_batches", "2", "--model.attn_implementation", '"sdpa"'])
+                                  "--validation.steps", "2", "--model.attn_implementation", '"sdpa"'])
     assert path == "c.toml"
-    assert overrides == {"parallelism.dp_shard": -1, "training.lr": 1e-3, "compile.enable": False,
-                         "training.mixed_precision_param": "bfloat16", "data.eval_batches": 2,
+    assert overrides == {"parallelism.dp_shard": -1, "optimizer.lr": 1e-3, "compile.enable": False,
+                         "training.mixed_precision_param": "bfloat16", "validation.steps": 2,
                          "model.attn_implementation": "sdpa"}
     cfg = load_config(str(HERE / "config.toml"), 4, {"parallelism.dp_shard": 2, "training.steps": 7})
     assert (cfg["parallelism"]["dp_shard"], cfg["parallelism"]["tp"], cfg["training"]["steps"]) == (2, 2, 7)
@@ -161,7 +168,7 @@ def _probes(tmp_path) -> list[tuple[list[str], str]]:
          f"checkpoint.folder = '{a_file}/sub' cannot be created or written: Not a directory"),
         (["--checkpoint.enable", "true", "--checkpoint.folder", "/proc/nope"],
          "checkpoint.folder = '/proc/nope' cannot be created or written"),
-        (["--training.lr", "inf"], "training.lr = inf must be finite and > 0"),
+        (["--optimizer.lr", "inf"], "optimizer.lr = inf must be finite and > 0"),
         (["--model.rms_norm_eps", "-1.0"], "model.rms_norm_eps = -1.0 must be finite and > 0"),
         (["--model.rope_parameters.rope_theta", "0.0"], "model.rope_parameters.rope_theta = 0.0 must be finite and > 0"),
     ]

@@ -17,7 +17,7 @@ from conftest import TP, _losses, _torchrun, _torchrun_cmd, assert_every_gradien
 from harness import free_port, join_gloo, make_documents, make_hub_llama, make_tokenizer, whole_gradients
 
 STEPS = ("--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
-         "--data.eval_batches", "1", "--metrics.measure_cpu_peak", "false")
+         "--validation.steps", "1", "--metrics.measure_cpu_peak", "false")
 
 
 @pytest.fixture(scope="module")
@@ -152,13 +152,13 @@ def test_an_export_with_no_source_folder_takes_bos_and_eos_from_the_tokenizer(fi
     config.json's and generation_config.json's bos/eos are the tokenizer's, not LlamaConfig's 1 and 2."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    import checkpoint
+    import hf_export
     import train
 
     cfg = small_config(**{"checkpoint.folder": str(tmp_path), "compile.enable": False})
     model, *_ = train.build_training(cfg, torch.device("cpu"))
     tokenizer = AutoTokenizer.from_pretrained(files["llama2"])
-    checkpoint.save_hf(cfg, 1, model, tokenizer, lambda line: None)
+    hf_export.save_hf(cfg, 1, model, tokenizer, lambda line: None)
     export, ids = tmp_path / "step-1-hf", (tokenizer.bos_token_id, tokenizer.eos_token_id)
     config, generation = AutoConfig.from_pretrained(export), GenerationConfig.from_pretrained(export)
     assert (config.bos_token_id, config.eos_token_id) == (generation.bos_token_id, generation.eos_token_id) == ids == (0, 1)

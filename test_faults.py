@@ -55,7 +55,7 @@ def _no_traceback_from_the_ranks(out: str) -> None:
 @pytest.mark.parametrize("nproc, dp_shard, change, message", [
     (1, 1, ("--model.hidden_size", "128"), "model.hidden_size = 256, this run has 128"),
     (2, 1, ("--model.rms_norm_eps", "1e-6"), "model.rms_norm_eps = 1e-05, this run has 1e-06"),
-    (4, 2, ("--training.lr", "1e-3"), "training.lr = 0.0008, this run has 0.001"),
+    (4, 2, ("--optimizer.lr", "1e-3"), "optimizer.lr = 0.0008, this run has 0.001"),
 ], ids=["1proc-hidden", "tp2-rms_norm_eps", "dp_shard2xtp2-lr"])
 def test_resume_with_a_changed_model_or_lr_is_one_line(tmp_root, tmp_path, nproc, dp_shard, change, message):
     _, full_folder = uninterrupted(tmp_root, 2, 1)
@@ -64,8 +64,8 @@ def test_resume_with_a_changed_model_or_lr_is_one_line(tmp_root, tmp_path, nproc
     out = _failed(nproc, [*_ckpt_args(folder), *EAGER, "--parallelism.dp_shard", str(dp_shard), *change])
     [line] = _our_lines(out, "error: ")
     assert line == (f"error: {folder / 'step-15'} was written with {message}: resume with the same [model], "
-                    "training.lr, warmup_steps, seed, [data] documents and their dp_shard, or use another "
-                    "checkpoint.folder"), line
+                    "[optimizer], [lr_scheduler], training.seed, [data] documents and their dp_shard, or use "
+                    "another checkpoint.folder"), line
     assert "step " not in out.split(line)[0] and "Size mismatch" not in out, out[-3000:]
     _no_traceback_from_the_ranks(out)
 
@@ -80,7 +80,7 @@ def test_every_model_key_lr_warmup_and_seed_are_refused_and_steps_batch_and_mesh
 
     cfg = small_config()
     (tmp_path / MARKER).write_text(json.dumps({"step": 1, "files": {}, "run": run_record(cfg)}))
-    refused = [("model", key) for key in cfg["model"]] + [("training", k) for k in ("lr", "warmup_steps", "seed")]
+    refused = [(part, key) for part in ("model", "optimizer", "lr_scheduler") for key in cfg[part]] + [("training", "seed")]
     for section, key in refused:
         changed = copy.deepcopy(cfg)
         changed[section][key] = "other"
@@ -252,28 +252,28 @@ def test_a_group_sigterm_saves_the_step_every_rank_finished_and_resumes_exactly(
 
 def test_sigterm_to_every_process_twice_is_one_stop(tmp_path):
     """Each rank gets 3 or 4 copies in 0.1 s (two direct, and torchrun's; torchrun itself ends at
-    its second signal, with a traceback): one request (train.ONE_REQUEST_S), saved as one."""
+    its second signal, with a traceback): one request (preemption.ONE_REQUEST_S), saved as one."""
     folder = tmp_path / "ckpt"
     _stop_step(_signalled_after(2, _ckpt_args(folder, *EAGER), "step   7 ", to="every process", times=2), folder)
 
 
 def test_copies_within_the_window_are_one_request_and_a_later_signal_ends_at_once(monkeypatch):
-    """train.note_stop_signals' handler, called as a signal calls it, on a clock the test sets."""
-    import train
+    """preemption.note_stop_signals' handler, called as a signal calls it, on a clock the test sets."""
+    import preemption
 
     now, ended = [100.0], []
-    monkeypatch.setattr(train, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
-    monkeypatch.setattr(train.signal, "raise_signal", ended.append)
+    monkeypatch.setattr(preemption, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(preemption.signal, "raise_signal", ended.append)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        received = train.note_stop_signals()
+        received = preemption.note_stop_signals()
         note = signal.getsignal(signal.SIGTERM)
-        for dt in (0.0, 0.01, 0.1, train.ONE_REQUEST_S):
+        for dt in (0.0, 0.01, 0.1, preemption.ONE_REQUEST_S):
             now[0] = 100.0 + dt
             note(signal.SIGTERM, None)
         assert received == [signal.SIGTERM] * 4 and not ended, "copies within the window: one request"
         assert signal.getsignal(signal.SIGTERM) is note
-        now[0] = 100.0 + train.ONE_REQUEST_S + 0.01
+        now[0] = 100.0 + preemption.ONE_REQUEST_S + 0.01
         note(signal.SIGINT, None)
         assert ended == [signal.SIGINT] and signal.getsignal(signal.SIGINT) == signal.SIG_DFL, "after it: at once"
     finally:
@@ -291,9 +291,9 @@ def test_sigterm_to_one_rank_stops_both_after_the_same_step_with_checkpoints_off
 
 SIGNALLED_IN_THE_EXPORT = """
 import os, signal, sys
-import checkpoint, train
+import hf_export, train
 
-finish_hf_folder = checkpoint.finish_hf_folder
+finish_hf_folder = hf_export.finish_hf_folder
 
 
 def finish_hf_folder_signalled(*args):
@@ -301,7 +301,7 @@ def finish_hf_folder_signalled(*args):
     return finish_hf_folder(*args)
 
 
-checkpoint.finish_hf_folder = finish_hf_folder_signalled
+hf_export.finish_hf_folder = finish_hf_folder_signalled
 train.exit_without_finalizing(train.main)
 """
 
@@ -327,9 +327,9 @@ def test_sigterm_in_the_final_hf_export_finishes_the_write_and_stops(tmp_path):
 
 ONE_RANK_FILLS_THE_DISK_IN_THE_EXPORT = """
 import errno, os
-import checkpoint, train
+import hf_export, train
 
-join_shards = checkpoint.join_shards
+join_shards = hf_export.join_shards
 
 
 def join_shards_on_a_full_disk(*args):
@@ -338,7 +338,7 @@ def join_shards_on_a_full_disk(*args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-checkpoint.join_shards = join_shards_on_a_full_disk
+hf_export.join_shards = join_shards_on_a_full_disk
 train.exit_without_finalizing(train.main)
 """
 
@@ -346,7 +346,7 @@ train.exit_without_finalizing(train.main)
 def test_a_full_disk_on_one_rank_in_the_hf_export_is_one_line_and_no_folder(tmp_path):
     """Every rank hears of rank 1's failure: one line and no step-2-hf (nor .tmp), the DCP step complete.
     torch's consolidate_safetensors_files_on_every_rank would leave rank 0 in its barrier until the
-    timeout, then a traceback (checkpoint.join_shards)."""
+    timeout, then a traceback (hf_export.join_shards)."""
     folder, script = tmp_path / "ckpt", tmp_path / "full_in_the_export.py"
     script.write_text(ONE_RANK_FILLS_THE_DISK_IN_THE_EXPORT)
     proc = _script_on_two_ranks(script, folder, *EAGER, "--training.steps", "2", "--checkpoint.last_save_in_hf",
@@ -364,9 +364,9 @@ import time
 
 import torch
 
-import checkpoint, train
+import checkpoint, hf_export, train
 
-write_marker, finish_hf_folder = checkpoint.write_marker, checkpoint.finish_hf_folder
+write_marker, finish_hf_folder = checkpoint.write_marker, hf_export.finish_hf_folder
 
 
 def slow(write):
@@ -382,7 +382,7 @@ def evaluate(*args):  # after the HF export: its wait is over, the training time
     return train_evaluate(*args)
 
 
-checkpoint.write_marker, checkpoint.finish_hf_folder = slow(write_marker), slow(finish_hf_folder)
+checkpoint.write_marker, hf_export.finish_hf_folder = slow(write_marker), slow(finish_hf_folder)
 train_evaluate, train.evaluate = train.evaluate, evaluate
 train.exit_without_finalizing(train.main)
 """

@@ -60,7 +60,8 @@ def _set_up_main(rank: int, port: int, hf_folder: str, out: str) -> None:
     import torch.distributed as dist
 
     import parallelize
-    from checkpoint import load_hf, save_hf
+    from checkpoint import load_hf
+    from hf_export import save_hf
     from materialize import local, piece
 
     join_gloo(rank, TP, port)

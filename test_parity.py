@@ -94,7 +94,7 @@ def test_trainer_losses_equal_torchtitans_model_on_the_same_batches(tmp_root):
     t = cfg["training"]
     torch.manual_seed(t["seed"])
     titan = titan_from_hf(build_model(cfg["model"]), t["seq_len"])
-    optimizer, scheduler = train.build_optimizer(titan, t)
+    optimizer, scheduler = train.build_optimizer(titan, cfg)
     data, _ = load_stdlib_bytes(cfg["data"]["max_bytes"])
     batches = random_windows(data, t["local_batch_size"], t["seq_len"], torch.Generator().manual_seed(t["seed"]))
     losses, grad_norms = [], []

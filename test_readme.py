@@ -92,12 +92,12 @@ def build(arch: str, cfg: dict):
     return LlamaForCausalLM(LlamaConfig(**{**cfg["model"], "tie_word_embeddings": "tie_word_embeddings" in variants}))
 
 
-def adamw_and_schedule(model, t: dict):
+def adamw_and_schedule(model, cfg: dict):
     """A user's AdamW with torchtitan's settings; linear warm-up, then linear decay to zero."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = t["warmup_steps"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["optimizer"]["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    warmup, steps = cfg["lr_scheduler"]["warmup_steps"], cfg["training"]["steps"]
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / (warmup + 1) if s < warmup else
-                                                        max(0.0, 1 - (s - warmup) / max(1, t["steps"] - warmup)))
+                                                        max(0.0, 1 - (s - warmup) / max(1, steps - warmup)))
 
 
 def plain_trainer(code: str, arch: str, plan: str, cfg: dict, batches: list, tp_mesh, grads_path: str) -> dict:
@@ -128,7 +128,7 @@ def plain_trainer(code: str, arch: str, plan: str, cfg: dict, batches: list, tp_
     for i, block in enumerate(model.model.layers):
         model.model.layers.register_module(str(i), torch.compile(checkpoint_wrapper(block, preserve_rng_state=False),
                                                                  fullgraph=True))
-    optimizer, scheduler = adamw_and_schedule(model, t)
+    optimizer, scheduler = adamw_and_schedule(model, cfg)
     try:
         for step, (x, y) in enumerate(batches):
             logits = recipe["forward_logits"](model, x)
@@ -157,7 +157,7 @@ def one_process(arch: str, cfg: dict, batches: list, grads_path: str) -> dict:
     """The same model, optimizer and batches in one eager process: the reference."""
     t = cfg["training"]
     model = build(arch, cfg)
-    optimizer, scheduler = adamw_and_schedule(model, t)
+    optimizer, scheduler = adamw_and_schedule(model, cfg)
     result = {"losses": [], "grad_norms": []}
     for step, (x, y) in enumerate(batches):
         loss = F.cross_entropy(model(input_ids=x, use_cache=False).logits.flatten(0, 1).float(), y.flatten())

@@ -229,7 +229,7 @@ def test_non_finite_loss_stops_at_its_step_and_keeps_the_last_checkpoint(tmp_pat
                           capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: step 3: the loss is nan; check training.lr, training.max_norm and [model]; "
+        f"error: step 3: the loss is nan; check optimizer.lr, training.max_norm and [model]; "
         f"the last complete checkpoint stays in {folder}"), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert "step   4" not in proc.stdout and "summary" not in proc.stdout
@@ -271,7 +271,7 @@ def test_non_finite_gradient_stops_before_the_update_and_the_save_and_keeps_the_
                           capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: step 3: the gradient norm is nan, not applied; check training.lr, training.max_norm and [model]; "
+        f"error: step 3: the gradient norm is nan, not applied; check optimizer.lr, training.max_norm and [model]; "
         f"the last complete checkpoint stays in {folder}"), proc.stderr[-3000:]
     assert proc.stdout.count("optimizer step") == 2 and "step   3" not in proc.stdout, proc.stdout
     assert [p.name for p in folder.iterdir()] == ["step-2"] and checkpoint_state(folder / "step-2") == "complete"
@@ -282,7 +282,7 @@ def test_one_process_in_bfloat16_with_every_second_block_checkpointed_and_no_eva
     set-up line and its MFU line; selective_ac_option "2" as an int; no held-out loss without eval."""
     proc = subprocess.run([sys.executable, str(HERE / "train.py"), *QUICK, "--training.steps", "3",
                            "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
-                           "2", "--data.eval_batches", "0", "--training.mixed_precision_param", "bfloat16",
+                           "2", "--validation.steps", "0", "--training.mixed_precision_param", "bfloat16",
                            "--metrics.measure_cpu_peak", "true"], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -296,7 +296,7 @@ def test_one_process_in_bfloat16_with_every_second_block_checkpointed_and_no_eva
 
 TINY = ("--model.num_hidden_layers", "2", "--model.hidden_size", "64", "--model.intermediate_size", "128",
         "--model.vocab_size", "256", "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--training.steps", "4", "--data.max_bytes", "1000000", "--data.eval_batches", "1")
+        "--training.steps", "4", "--data.max_bytes", "1000000", "--validation.steps", "1")
 
 
 @pytest.mark.gpu

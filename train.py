@@ -18,6 +18,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime
+import functools
 import math
 import os
 import signal
@@ -31,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 import checkpoint
+import hf_export
 import report
 from config import (ConfigError, check_resources, load_config, parse_args, prepare_checkpoint_folder,
                     tasks_without_torchrun)
@@ -38,6 +40,7 @@ from data import IGNORED, DataError, held_out_batches, prepare, training_batches
 from materialize import build_on_meta, materialize
 from model import build_model, forward_logits
 from parallelize import autocast, build_parallel_dims, parallelize
+from preemption import agreed_signal, note_stop_signals
 from workarounds import (clip_grad_norm_, exit_without_finalizing, set_comm_timeout, several_nodes_restart_problem,
                          store_for_this_restart)
 
@@ -65,13 +68,16 @@ def main() -> None:
             log(f"checkpoint: step {start_step} is the last of training.steps = {t['steps']}; nothing to train")
             return
 
+        validate = lambda signals: evaluate(  # noqa: E731
+            model, held_out_batches(corpus, cfg, dp_mesh), cfg, device, dp_mesh, signals)
         run = train_loop(model, optimizer, scheduler, data, range(start_step + 1, t["steps"] + 1), cfg, device,
-                         dp_mesh, launch.rank, log, position=position)
+                         dp_mesh, launch.rank, log, position=position, validate=validate,
+                         metrics=report.tensorboard(cfg, model, device, peak, launch.rank))
         exit_if_signalled(run, device, launch.rank, f"after step {t['steps']}")  # a signal in the last save
         if ckpt["last_save_in_hf"]:
-            checkpoint.save_hf(cfg, t["steps"], model, corpus.tokenizer, log)
+            hf_export.save_hf(cfg, t["steps"], model, corpus.tokenizer, log)
             exit_if_signalled(run, device, launch.rank, "after the HF export")
-        held_out_loss = evaluate(model, held_out_batches(corpus, cfg, dp_mesh), cfg, device, dp_mesh, run.signals)
+        held_out_loss = validate(run.signals)
         exit_if_signalled(run, device, launch.rank, "in the held-out loss")
         report.log_summary(cfg, run, held_out_loss, model, optimizer, device, log, peak)
     except checkpoint.CheckpointError as e:  # a changed [model] or data at resume, a full disk
@@ -147,18 +153,29 @@ def build_training(cfg: dict, device: torch.device, parallel_dims=None):
     parallelize(model, parallel_dims, cfg)
     materialize(model, init_ops, device, cfg["training"]["seed"])
     model.train()
-    return model, *build_optimizer(model, cfg["training"])
+    return model, *build_optimizer(model, cfg)
 
 
-def build_optimizer(model, t: dict):
-    """AdamW with torchtitan's betas and weight decay; linear warm-up, then linear decay to zero."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t["lr"], betas=(0.9, 0.95), weight_decay=0.1)
-    warmup, steps = t["warmup_steps"], t["steps"]
+def build_optimizer(model, cfg: dict):
+    """AdamW ([optimizer]) and torchtitan's warm-up, stable, decay schedule ([lr_scheduler]) over training.steps."""
+    o, s, steps = cfg["optimizer"], cfg["lr_scheduler"], cfg["training"]["steps"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["eps"],
+                                  weight_decay=o["weight_decay"])
+    warmup = min(s["warmup_steps"], steps)
+    decay_steps = steps - warmup if s["decay_ratio"] == -1 else min(round(steps * s["decay_ratio"]), steps - warmup)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+        lr_factor, warmup=warmup, decay_start=steps - decay_steps, decay_steps=decay_steps, decay_type=s["decay_type"],
+        min_lr_factor=s["min_lr_factor"]))
 
-    def factor(step: int) -> float:
-        return (step + 1) / (warmup + 1) if step < warmup else max(0.0, 1 - (step - warmup) / max(1, steps - warmup))
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+def lr_factor(step: int, warmup: int, decay_start: int, decay_steps: int, decay_type: str, min_lr_factor: float) -> float:
+    """torchtitan 0.2.2's linear_warmup_stable_decay, but for the warm-up's (step + 1) / (warmup + 1): its
+    / warmup changes the default run's losses. `step` counts from 0; at training.steps the decay ends."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    progress = min(1.0, max(0.0, step - decay_start) / max(1, decay_steps))
+    decay = {"linear": 1 - progress, "sqrt": 1 - math.sqrt(progress), "cosine": (1 + math.cos(math.pi * progress)) / 2}
+    return min_lr_factor + (1 - min_lr_factor) * decay[decay_type]
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -179,24 +196,27 @@ def global_sum(value: torch.Tensor, dp_mesh) -> torch.Tensor:
     return value
 
 
-def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forward_logits,
-               dp_mesh=None, amp=contextlib.nullcontext(), position_ids=None) -> tuple[float, float]:
-    """One forward/backward/update; returns (the global batch's mean loss per target token, grad norm
-    before clipping). Ranks may hold different counts of targets: each backward is its sum over
-    all ranks' count, times the dp size that FSDP's gradient average divides by."""
-    targets = global_sum((y != IGNORED).sum(), dp_mesh).item()
-    with amp:  # parallelize.autocast: bfloat16 matmuls without FSDP
-        logits = forward(model, x) if position_ids is None else forward(model, x, position_ids)
-    with vocab_parallel(logits):
-        loss = cross_entropy(logits, y)
-        (loss * (dp_mesh.size() if dp_mesh is not None else 1) / targets).backward()
+def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forward_logits, dp_mesh=None,
+               amp=contextlib.nullcontext(), position_ids=None, microbatch: int | None = None) -> tuple[float, float]:
+    """One update from this rank's rows, run `microbatch` rows at a time (gradients accumulate); returns
+    (the global batch's mean loss per target token, grad norm before clipping). Ranks and microbatches
+    may hold different counts of targets: each backward is its sum over the global count, times the dp
+    size that FSDP's gradient average divides by. As torchtitan, FSDP2 reduce-scatters each microbatch's."""
+    targets, loss_sum = global_sum((y != IGNORED).sum(), dp_mesh).item(), 0.0
+    for rows in microbatches(len(x), microbatch):
+        with amp:  # parallelize.autocast: bfloat16 matmuls without FSDP
+            logits = forward(model, x[rows]) if position_ids is None else forward(model, x[rows], position_ids[rows])
+        with vocab_parallel(logits):
+            loss = cross_entropy(logits, y[rows])
+            (loss * (dp_mesh.size() if dp_mesh is not None else 1) / targets).backward()
+        loss_sum = loss_sum + global_sum(loss, dp_mesh)
     # torchtitan's, which reduces the norm of DTensor (TP/FSDP-sharded) gradients (workarounds.py).
     grad_norm = clip_grad_norm_(model.parameters(), max_norm).item()  # of all ranks' gradients, on every rank
     if math.isfinite(grad_norm):  # else no update: train_loop stops the run before any save
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return (global_sum(loss, dp_mesh) / targets).item(), grad_norm
+    return (loss_sum / targets).item(), grad_norm
 
 
 # -----------------------------------------------------------------------------
@@ -207,64 +227,72 @@ class Run:
     steps: range
     losses: list[float]
     step_times: list[float]
+    lrs: list[float] = dataclasses.field(default_factory=list)  # the rate each step's update used
     time_to_first_step: float = 0.0  # from the process's start: imports, data, build, compile
     signals: list[int] = dataclasses.field(default_factory=list)  # SIGTERM/SIGINT noted, to act on after the loop
 
 
+def microbatches(rows: int, size: int | None):
+    """Slices of `size` rows (None: all of them), in order."""
+    return (slice(start, start + (size or rows)) for start in range(0, rows, size or rows))
+
+
 def train_loop(model, optimizer, scheduler, data, steps: range, cfg: dict, device, dp_mesh=None, rank: int = 0,
-               log=print, forward=forward_logits, position=None, t_start: float = T_START) -> Run:
-    """Train `steps`, timing each, logging each, saving on [checkpoint]'s interval. A non-finite loss
-    or gradient norm, a recompile (after step 1, with compile.fail_on_recompile) or SIGTERM stops the
-    run in one line."""
-    t, comp, ckpt = cfg["training"], cfg["compile"], cfg["checkpoint"]
+               log=print, forward=forward_logits, position=None, t_start: float = T_START, validate=None,
+               metrics=None) -> Run:
+    """Train `steps`, timing and logging each; the held-out loss by `validate(signals)` every validation.freq
+    steps if validation.enable; TensorBoard by `metrics` (report.tensorboard); saves on [checkpoint]'s
+    interval. A non-finite loss or gradient norm, a recompile after step 1 or SIGTERM stops the run in one line."""
+    t, v = cfg["training"], cfg["validation"]
     run, amp = Run(steps, [], [], signals=note_stop_signals()), autocast(cfg, device.type)
     for step in steps:
-        step_start = time.perf_counter()
+        step_start, lr = time.perf_counter(), scheduler.get_last_lr()[0]  # the rate this step's update uses
         x, y, position_ids = (z if z is None else z.to(device) for z in next(data))
         with stop_on_recompile(step, rank):
             loss, grad_norm = train_step(model, optimizer, scheduler, x, y, t["max_norm"], forward, dp_mesh, amp,
-                                         position_ids)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # global: every rank stops here, before any save
-            what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}, not applied"
-            exit_with(f"error: step {step}: {what}; check training.lr, training.max_norm and [model]"
-                      + (f"; the last complete checkpoint stays in {ckpt['folder']}" if ckpt["enable"] else ""), rank)
+                                         position_ids, t["local_batch_size"])
+        stop_unless_finite(step, loss, grad_norm, cfg, rank)
         run.losses.append(loss)
+        run.lrs.append(lr)
         run.step_times.append(time.perf_counter() - step_start)
         if step == steps[0]:
-            run.time_to_first_step = time.perf_counter() - t_start
-            if comp["enable"] and comp["fail_on_recompile"]:
-                torch.compiler.set_stance("fail_on_recompile")  # every block is compiled by now
-            set_comm_timeout(cfg["comm"]["train_timeout_seconds"])  # as torchtitan, after step 1
-        log(f"step {step:3d} | loss {loss:.6f} | grad norm {grad_norm:.6f} | "
+            after_first_step(run, cfg, t_start)
+        log(f"step {step:3d} | loss {loss:.6f} | grad norm {grad_norm:.6f} | lr {lr:.6g} | "
             f"{report.tokens_per_step(cfg) / run.step_times[-1]:7.0f} tokens/s | {time.perf_counter() - t_start:6.1f} s")
-        signum, saved = agreed_signal(run.signals, device), None
-        if ckpt["enable"] and (step % ckpt["interval"] == 0 or step == t["steps"] or signum):
-            saved = checkpoint.save(cfg, step, model, optimizer, scheduler, position, log)
-        if signum:
-            exit_with(f"stopped by {signal.Signals(signum).name} after step {step}; "
-                      + (f"saved {saved}" if saved else "checkpoints are off: nothing saved"), rank, code=128 + signum)
+        held_out = validate(run.signals) if validate and v["enable"] and step % v["freq"] == 0 else None
+        if held_out is not None:
+            log(f"validation: step {step} | loss {held_out:.6f}")
+        if metrics:
+            metrics(step, loss, lr, grad_norm, run.step_times[-1], held_out)
+        save_or_stop(run, step, cfg, model, optimizer, scheduler, position, device, rank, log)
     return run
 
 
-ONE_REQUEST_S = 1.0  # copies of one signal: SLURM signals every process, torchrun forwards its copy 0-14 ms later
+def stop_unless_finite(step: int, loss: float, grad_norm: float, cfg: dict, rank: int) -> None:
+    """Both are global: every rank stops here, before any save."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        what = f"the loss is {loss}" if not math.isfinite(loss) else f"the gradient norm is {grad_norm}, not applied"
+        exit_with(f"error: step {step}: {what}; check optimizer.lr, training.max_norm and [model]" + (
+            f"; the last complete checkpoint stays in {cfg['checkpoint']['folder']}" if cfg["checkpoint"]["enable"] else ""),
+            rank)
 
 
-def note_stop_signals() -> list[int]:
-    """SIGTERM and SIGINT (a scheduler's pre-emption, Ctrl-C) are noted, for train_loop to stop
-    after the step in progress. Those within ONE_REQUEST_S of the first are one request; a signal
-    after that ends the process at once, as the default handler does."""
-    received, first = [], None
+def after_first_step(run: Run, cfg: dict, t_start: float) -> None:
+    """Every block is compiled: from now on a recompile fails, and collectives get the training timeout."""
+    run.time_to_first_step = time.perf_counter() - t_start
+    if cfg["compile"]["enable"] and cfg["compile"]["fail_on_recompile"]:
+        torch.compiler.set_stance("fail_on_recompile")
+    set_comm_timeout(cfg["comm"]["train_timeout_seconds"])  # as torchtitan, after step 1
 
-    def note(signum, _frame):
-        nonlocal first
-        first = first or time.monotonic()
-        if time.monotonic() - first > ONE_REQUEST_S:
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
-        received.append(signum)
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, note)
-    return received
+
+def save_or_stop(run: Run, step: int, cfg: dict, model, optimizer, scheduler, position, device, rank: int, log) -> None:
+    """A save on [checkpoint]'s interval, at the last step, or on a stop signal any rank received; then that stop."""
+    ckpt, signum, saved = cfg["checkpoint"], agreed_signal(run.signals, device), None
+    if ckpt["enable"] and (step % ckpt["interval"] == 0 or step == cfg["training"]["steps"] or signum):
+        saved = checkpoint.save(cfg, step, model, optimizer, scheduler, position, log)
+    if signum:
+        exit_with(f"stopped by {signal.Signals(signum).name} after step {step}; "
+                  + (f"saved {saved}" if saved else "checkpoints are off: nothing saved"), rank, code=128 + signum)
 
 
 def exit_if_signalled(run: Run, device: torch.device, rank: int, when: str) -> None:
@@ -273,15 +301,6 @@ def exit_if_signalled(run: Run, device: torch.device, rank: int, when: str) -> N
     if signum := agreed_signal(run.signals, device):
         exit_with(f"stopped by {signal.Signals(signum).name} {when}; skipped what was left", rank,
                   code=128 + signum)
-
-
-def agreed_signal(received: list[int], device: torch.device) -> int:
-    """The largest signal number any rank received, 0 for none: the ranks, which a signal can
-    reach at different moments, stop after the same step."""
-    flag = torch.tensor(max(received, default=0), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
 
 
 @contextlib.contextmanager
@@ -300,20 +319,22 @@ def stop_on_recompile(step: int, rank: int):
 
 @torch.no_grad()
 def evaluate(model, held_out, cfg: dict, device: torch.device, dp_mesh=None, signals=()) -> float | None:
-    """The mean loss per target token of data.eval_batches held-out batches (`held_out`: data.held_out_batches;
-    None for none), up to a stop signal in `signals`. Eager, so that no_grad, which the compiled blocks
-    were not traced under, compiles no other graph."""
+    """The mean loss per target token of validation.steps global held-out batches (data.held_out_batches;
+    None for none); None if a stop signal in `signals` cuts it short. Eager, so that no_grad, which the
+    compiled blocks were not traced under, compiles no other graph."""
     total = targets = 0
     model.eval()
     with torch.compiler.set_stance("force_eager"):
-        for _ in range(cfg["data"]["eval_batches"] if held_out is not None else 0):
+        for _ in range(cfg["validation"]["steps"] if held_out is not None else 0):
             if agreed_signal(signals, device):
+                total = targets = 0
                 break
             x, y, position_ids = (z if z is None else z.to(device) for z in next(held_out))
-            with autocast(cfg, device.type):
-                logits = forward_logits(model, x, position_ids)
-            with vocab_parallel(logits):
-                total += global_sum(cross_entropy(logits, y), dp_mesh).item()
+            for rows in microbatches(len(x), cfg["training"]["local_batch_size"]):
+                with autocast(cfg, device.type):
+                    logits = forward_logits(model, x[rows], None if position_ids is None else position_ids[rows])
+                with vocab_parallel(logits):
+                    total += global_sum(cross_entropy(logits, y[rows]), dp_mesh).item()
             targets += global_sum((y != IGNORED).sum(), dp_mesh).item()
     model.train()
     return total / targets if targets else None
