@@ -307,8 +307,9 @@ def counts(rows: list[dict], version: str) -> dict[str, int]:
 
 
 def verdict_table(rows: list[dict]) -> str:
-    """RESULTS.md's table: one row per family, one verdict per torch (its window rows folded in,
-    a refusal's or failure's line cut short; the whole line and every figure are in the file)."""
+    """RESULTS.md's table: one row per family, its verdict on the newest torch and, where they differ, on
+    the others (window rows folded in, a refusal's or failure's line cut short; the whole line and every
+    figure are in the file)."""
     versions = sorted({r["torch"] for r in rows}, key=lambda v: tuple(map(int, v.split("."))), reverse=True)
 
     def short(error: str) -> str:  # a refusal's line up to its reason; any line's first sentence, to 80 characters
@@ -321,7 +322,8 @@ def verdict_table(rows: list[dict]) -> str:
     for r in rows:
         text = r["verdict"] + (f": `{short(r['error'])}`" if r["error"] else "")
         cells.setdefault(r["family"], {}).setdefault(r["torch"], {})[r["window"]] = text
-    lines = ["| family | " + " | ".join(f"torch {v}" for v in versions) + " |", "|---|" + "---|" * len(versions)]
+    heads = [f"torch {versions[0]}"] + [f"torch {v} where it differs" for v in versions[1:]]
+    lines = ["| family | " + " | ".join(heads) + " |", "|---|" + "---|" * len(versions)]
     for family, per_torch in cells.items():
         shown = []
         for version in versions:
@@ -333,7 +335,7 @@ def verdict_table(rows: list[dict]) -> str:
             elif windows and {w.split(":")[0] for w in windows} != {text.split(":")[0]}:  # another verdict
                 text += ("; windows: " + windows[0] if len(set(windows)) == 1 else
                          "; " + ", ".join(f"window {w}: {by_window[w]}" for w in map(str, WINDOWS) if w in by_window))
-            shown.append("same" if shown and text == shown[0] else text)
+            shown.append("" if shown and text == shown[0] else text)
         cause = CAUSES.get(family)
         lines.append(f"| {family}{f' ({cause})' if cause else ''} | " + " | ".join(shown) + " |")
     return "\n".join(lines)
