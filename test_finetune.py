@@ -103,3 +103,26 @@ def test_tensorboard_holds_the_logged_numbers_from_rank_0_alone(tmp_root):
         for tag, name in (("loss", "loss"), ("lr", "lr"), ("grad_norm", "grad norm")):  # printed to 6 digits
             assert scalars[tag] == pytest.approx(logged(out, name), rel=2e-6), tag
         assert scalars["validation_loss"] == pytest.approx(validation(out), rel=1e-6)
+
+
+@pytest.mark.parametrize("decay_type, decay_ratio", [("linear", -1.0), ("sqrt", 0.5), ("cosine", 0.8)])
+def test_after_the_warm_up_the_schedule_is_torchtitans(decay_type, decay_ratio):
+    """From the warm-up's end, every step's rate is torchtitan 0.2.2's build_lr_schedulers' (its stable
+    part, decay and floor); only the warm-up is train.py's own, (s + 1) / (warmup + 1)."""
+    from torchtitan.components.lr_scheduler import build_lr_schedulers
+    from torchtitan.config.job_config import LRScheduler
+
+    import train
+
+    keys = {"warmup_steps": 3, "decay_type": decay_type, "decay_ratio": decay_ratio, "min_lr_factor": 0.2}
+    cfg = small_config(**{"training.steps": 20, **{f"lr_scheduler.{k}": v for k, v in keys.items()}})
+    model = torch.nn.Linear(2, 2)
+    optimizer, ours = train.build_optimizer(model, cfg)
+    theirs = build_lr_schedulers([torch.optim.AdamW(model.parameters(), lr=cfg["optimizer"]["lr"])], LRScheduler(
+        **{**keys, "decay_ratio": None if decay_ratio == -1 else decay_ratio}), 20).schedulers[0]
+    for step in range(21):
+        if step >= 3:
+            assert ours.get_last_lr()[0] == pytest.approx(theirs.get_last_lr()[0], rel=1e-12), step
+        for scheduler in (ours, theirs):
+            scheduler.optimizer.step()
+            scheduler.step()
