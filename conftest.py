@@ -213,7 +213,8 @@ def _config_error_lines(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 def _losses(out: str) -> list[float]:
-    return [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
+    return [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines()
+            if line.startswith("step ") and "| loss " in line]  # not the "validation: step N | loss" lines
 
 
 

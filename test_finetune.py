@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import _torchrun, free_port, small_config
+from test_checkpoint import _step_values
 
 CONTROLS = ("--model.num_hidden_layers", "2", "--training.seq_len", "64", "--data.max_bytes", "1000000",
             "--metrics.measure_cpu_peak", "false", "--training.steps", "4", "--validation.enable", "true",
@@ -29,16 +30,6 @@ def launch(tmp_root: str, nproc: int, local_batch: int, global_batch: int, dp_sh
     return proc.stdout, tb
 
 
-def logged(out: str, name: str) -> dict[int, float]:
-    """{step: value} of the step lines' `| name value` (loss, grad norm, lr)."""
-    values = {}
-    for line in out.splitlines():
-        step, *fields = line.split(" | ")
-        if step.startswith("step "):
-            values.update({int(step.split()[1]): float(f.split()[-1]) for f in fields if f.startswith(name + " ")})
-    return values
-
-
 def validation(out: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in re.findall(r"^validation: step (\d+) \| loss (\S+)", out, re.M)}
 
@@ -54,9 +45,10 @@ def test_microbatches_give_one_step_on_the_global_batch_and_its_validation_loss(
     at steps 2 and 4 (held-out batches are global batches too), 1 graph and 0 recompiles."""
     out, _ = launch(tmp_root, *run)
     ref, _ = launch(tmp_root, *reference)
-    assert logged(out, "loss") == pytest.approx(logged(ref, "loss"), abs=1e-5) and len(logged(out, "loss")) == 4
+    assert _step_values(out, "loss") == pytest.approx(_step_values(ref, "loss"), abs=1e-5)
+    assert len(_step_values(out, "loss")) == 4
     # TP's float32 sums: 2e-5 to 7e-5 off one process, with or without microbatches (RESULTS.md)
-    assert logged(out, "grad norm") == pytest.approx(logged(ref, "grad norm"), rel=1e-4)
+    assert _step_values(out, "grad norm") == pytest.approx(_step_values(ref, "grad norm"), rel=1e-4)
     assert sorted(validation(out)) == [2, 4], out[-3000:]
     assert validation(out) == pytest.approx(validation(ref), abs=1e-5)
     assert "compiled graphs      1 for 2 blocks" in out and "recompiles           0" in out, out[-3000:]
@@ -67,7 +59,7 @@ def test_cosine_decay_logs_each_steps_rate_and_ends_at_min_lr_factor(tmp_root):
     over steps 3-4; after step 4 the schedule is at 0.1 x lr (the summary's line)."""
     out, _ = launch(tmp_root, 1, 8, -1)
     lr = small_config()["optimizer"]["lr"]
-    assert logged(out, "lr") == pytest.approx({1: lr / 3, 2: lr * 2 / 3, 3: lr, 4: lr * 0.55}, rel=1e-5)
+    assert _step_values(out, "lr") == pytest.approx({1: lr / 3, 2: lr * 2 / 3, 3: lr, 4: lr * 0.55}, rel=1e-5)
     assert re.search(rf"learning rate .*, {lr * 0.1:.4g} after it \(the schedule's end\)", out), out[-2000:]
 
 
@@ -101,7 +93,7 @@ def test_tensorboard_holds_the_logged_numbers_from_rank_0_alone(tmp_root):
         scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
         assert {"loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_mib", "validation_loss"} <= set(scalars)
         for tag, name in (("loss", "loss"), ("lr", "lr"), ("grad_norm", "grad norm")):  # printed to 6 digits
-            assert scalars[tag] == pytest.approx(logged(out, name), rel=2e-6), tag
+            assert scalars[tag] == pytest.approx(_step_values(out, name), rel=2e-6), tag
         assert scalars["validation_loss"] == pytest.approx(validation(out), rel=1e-6)
 
 

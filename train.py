@@ -202,21 +202,21 @@ def train_step(model, optimizer, scheduler, x, y, max_norm: float, forward=forwa
     (the global batch's mean loss per target token, grad norm before clipping). Ranks and microbatches
     may hold different counts of targets: each backward is its sum over the global count, times the dp
     size that FSDP's gradient average divides by. As torchtitan, FSDP2 reduce-scatters each microbatch's."""
-    targets, loss_sum = global_sum((y != IGNORED).sum(), dp_mesh).item(), 0.0
+    targets, losses = global_sum((y != IGNORED).sum(), dp_mesh).item(), []
     for rows in microbatches(len(x), microbatch):
         with amp:  # parallelize.autocast: bfloat16 matmuls without FSDP
             logits = forward(model, x[rows]) if position_ids is None else forward(model, x[rows], position_ids[rows])
         with vocab_parallel(logits):
             loss = cross_entropy(logits, y[rows])
             (loss * (dp_mesh.size() if dp_mesh is not None else 1) / targets).backward()
-        loss_sum = loss_sum + global_sum(loss, dp_mesh)
+        losses.append(loss.detach())
     # torchtitan's, which reduces the norm of DTensor (TP/FSDP-sharded) gradients (workarounds.py).
     grad_norm = clip_grad_norm_(model.parameters(), max_norm).item()  # of all ranks' gradients, on every rank
     if math.isfinite(grad_norm):  # else no update: train_loop stops the run before any save
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return (loss_sum / targets).item(), grad_norm
+    return (global_sum(sum(losses), dp_mesh) / targets).item(), grad_norm
 
 
 # -----------------------------------------------------------------------------
@@ -329,12 +329,13 @@ def evaluate(model, held_out, cfg: dict, device: torch.device, dp_mesh=None, sig
             if agreed_signal(signals, device):
                 total = targets = 0
                 break
-            x, y, position_ids = (z if z is None else z.to(device) for z in next(held_out))
+            x, y, position_ids, losses = *(z if z is None else z.to(device) for z in next(held_out)), []
             for rows in microbatches(len(x), cfg["training"]["local_batch_size"]):
                 with autocast(cfg, device.type):
                     logits = forward_logits(model, x[rows], None if position_ids is None else position_ids[rows])
                 with vocab_parallel(logits):
-                    total += global_sum(cross_entropy(logits, y[rows]), dp_mesh).item()
+                    losses.append(cross_entropy(logits, y[rows]))
+            total += global_sum(sum(losses), dp_mesh).item()
             targets += global_sum((y != IGNORED).sum(), dp_mesh).item()
     model.train()
     return total / targets if targets else None
