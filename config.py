@@ -305,14 +305,7 @@ def prepare_checkpoint_folder(c: dict, model_cfg: dict, rank0: bool = True) -> s
     disk while a save replaces the oldest), a warning, returned."""
     if not c["enable"]:
         return None
-    folder = Path(c["folder"])
-    probe = folder / f".write-probe-{os.getpid()}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"checkpoint.folder = {c['folder']!r} cannot be created or written: {e.strerror or e}") from None
+    folder = writable_folder(c["folder"], "checkpoint.folder")
     if not rank0:
         return None
     one, free = 12.12 * count_parameters(model_cfg)[0] + 2**20, shutil.disk_usage(folder).free  # measured: 12 bytes + 1%
@@ -322,6 +315,18 @@ def prepare_checkpoint_folder(c: dict, model_cfg: dict, rank0: bool = True) -> s
     return (f"warning: checkpoint.folder = {c['folder']!r} has {mib(free)} free, room for {int(free // one)} checkpoint(s) "
             f"of {mib(one)}, not the {kept} that keep_latest_k = {c['keep_latest_k']} needs during a save: that save "
             "will fail") if free < kept * one else None
+
+
+def writable_folder(path: str, key: str) -> Path:
+    """The folder of config key `key`, created and written to now, not at its first write."""
+    folder, probe = Path(path), Path(path) / f".write-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{key} = {path!r} cannot be created or written: {e.strerror or e}") from None
+    return folder
 
 
 def resolve_mesh(dp_shard: int, tp: int, world_size: int) -> tuple[int, int]:

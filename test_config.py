@@ -168,6 +168,8 @@ def _probes(tmp_path) -> list[tuple[list[str], str]]:
          f"checkpoint.folder = '{a_file}/sub' cannot be created or written: Not a directory"),
         (["--checkpoint.enable", "true", "--checkpoint.folder", "/proc/nope"],
          "checkpoint.folder = '/proc/nope' cannot be created or written"),
+        (["--metrics.enable_tensorboard", "true", "--metrics.save_tb_folder", "/proc/nope"],
+         "metrics.save_tb_folder = '/proc/nope' cannot be created or written"),
         (["--optimizer.lr", "inf"], "optimizer.lr = inf must be finite and > 0"),
         (["--model.rms_norm_eps", "-1.0"], "model.rms_norm_eps = -1.0 must be finite and > 0"),
         (["--model.rope_parameters.rope_theta", "0.0"], "model.rope_parameters.rope_theta = 0.0 must be finite and > 0"),

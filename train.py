@@ -35,7 +35,7 @@ import checkpoint
 import hf_export
 import report
 from config import (ConfigError, check_resources, load_config, parse_args, prepare_checkpoint_folder,
-                    tasks_without_torchrun)
+                    tasks_without_torchrun, writable_folder)
 from data import IGNORED, DataError, held_out_batches, prepare, training_batches
 from materialize import build_on_meta, materialize
 from model import build_model, forward_logits
@@ -116,6 +116,8 @@ def config_or_exit(argv: list[str], launch: Launch) -> tuple[dict, object]:
         corpus = prepare(cfg)
         if warning := prepare_checkpoint_folder(cfg["checkpoint"], cfg["model"], rank0=launch.rank == 0):
             print(warning, file=sys.stderr)  # on a shared filesystem, rank 0 checks for all
+        if cfg["metrics"]["enable_tensorboard"] and launch.rank == 0:  # its one writer
+            writable_folder(cfg["metrics"]["save_tb_folder"], "metrics.save_tb_folder")
         return cfg, corpus
     except (ConfigError, DataError) as e:
         exit_with(f"config error: {e}", launch.rank, code=2)
