@@ -133,8 +133,9 @@ def tensorboard(cfg: dict, model, device: torch.device, peak: tuple[float, str] 
             tokens_per_s = tokens_per_step(cfg) / step_time
             values.update(loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens_per_s,
                           peak_memory_mib=peak_memory_mib(device), **({"mfu": flops * tokens_per_s / peak[0]} if peak else {}))
-        logger.log(values, step)
-        logger.writer.flush()
+        if values:  # else nothing to write at this step
+            logger.log(values, step)
+            logger.writer.flush()
     return log
 
 
