@@ -80,17 +80,18 @@ def write_marker(path: Path, step: int, run: dict) -> str | None:
 
 
 # Keys a resume refuses to change, as any [model], [optimizer] or [lr_scheduler] key: a data position is into
-# these documents, one per dp rank (the standard library's bytes have one position, for any dp_shard).
-REFUSED = ("training.seed", "data.path", "data.tokenizer")
+# these documents (data.tokenized: the hash of data.path's files and tokenizer, corpus.fingerprint).
+REFUSED = ("training.seed", "data.path", "data.split", "data.text_field", "data.tokenizer", "data.tokenized")
 
 
-def run_record(cfg: dict) -> dict:
-    """What complete.json records of the run that wrote it (require_same_run)."""
+def run_record(cfg: dict, position=None) -> dict:
+    """What complete.json records of the run that wrote it (require_same_run); `position`: the data's."""
     t, p, d = cfg["training"], cfg["parallelism"], cfg["data"]
     return {"model": cfg["model"], "optimizer": cfg["optimizer"], "lr_scheduler": cfg["lr_scheduler"],
             "training": {k: t[k] for k in ("seed", "steps", "local_batch_size", "global_batch_size", "seq_len")},
             "parallelism": {"dp_shard": p["dp_shard"], "tp": p["tp"]},
-            "data": {"path": d["path"], "tokenizer": d["tokenizer"]}}
+            "data": {"path": d["path"], "split": d["split"], "text_field": d["text_field"], "tokenizer": d["tokenizer"],
+                     "tokenized": getattr(position, "key", None)}}
 
 
 # -----------------------------------------------------------------------------
@@ -119,7 +120,7 @@ def save(cfg: dict, step: int, model, optimizer, scheduler, position, log) -> Pa
     try:
         # dcp.save returns once rank 0 wrote .metadata, after every rank's shards; it raises on every rank.
         dcp.save(training_state(model, optimizer, scheduler, position, step), checkpoint_id=path)
-        failure = decided_on_rank0(lambda: write_marker(path, step, run_record(cfg)))
+        failure = decided_on_rank0(lambda: write_marker(path, step, run_record(cfg, position)))
     except (OSError, CheckpointException) as e:
         failure = decided_on_rank0(lambda: why_save_failed(e, path))
     if failure:
@@ -168,7 +169,7 @@ def resume(cfg: dict, model, optimizer, scheduler, position, log) -> int:
     start = time.perf_counter()
     if latest is not None:
         step, path = latest
-        require_same_run(path, cfg, log)
+        require_same_run(path, cfg, log, position=position)
         state = training_state(model, optimizer, scheduler, position, step)
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -211,25 +212,23 @@ def decided_on_rank0(decide):
     return answer[0]
 
 
-def require_same_run(path: Path, cfg: dict, log, every_key: bool = True) -> None:
+def require_same_run(path: Path, cfg: dict, log, every_key: bool = True, position=None) -> None:
     """The marker's record (`run_record`) against this run's, on rank 0: a changed [model] key (or with
     `every_key`, a REFUSED one) is one line, not DCP's size mismatch; a changed steps, batch or mesh is logged."""
     def compare():
-        saved, now = json.loads((path / MARKER).read_text()).get("run"), run_record(cfg)
+        saved, now = json.loads((path / MARKER).read_text()).get("run"), run_record(cfg, position)
         if saved is None:
             return None, f"checkpoint: {path} records no run (an older train.py): [model] and training not checked"
         changed = [(f"{part}.{key}", saved.get(part, {}).get(key), value) for part in now if every_key or part == "model"
                    for key, value in now[part].items() if saved.get(part, {}).get(key) != value]
-        per_dp_rank = ("parallelism.dp_shard",) if cfg["data"]["path"] else ()
-        refused = [c for c in changed if c[0].startswith(("model.", "optimizer.", "lr_scheduler.")) or
-                   c[0] in REFUSED + per_dp_rank]
+        refused = [c for c in changed if c[0].startswith(("model.", "optimizer.", "lr_scheduler.")) or c[0] in REFUSED]
         return refused[:1], changed and "checkpoint: resuming with " + ", ".join(f"{k} {a} -> {b}" for k, a, b in changed)
     refused, note = decided_on_rank0(compare)
     if refused:
         [(key, was, value)] = refused
         raise CheckpointError(f"{path} was written with {key} = {was!r}, this run has {value!r}: resume with the "
-                              "same [model], [optimizer], [lr_scheduler], training.seed, [data] documents and their "
-                              "dp_shard, or use another checkpoint.folder")
+                              "same [model], [optimizer], [lr_scheduler], training.seed and [data] (data.tokenized: its files and "
+                              "tokenizer, unchanged), or use another checkpoint.folder")
     if note:
         log(note)
 

@@ -29,8 +29,8 @@ SCHEMA = {  # every key and its type, in config.toml's order
     "parallelism": dict(dp_shard=int, tp=int, decoder_layer=str, attention_gather=str, loss_parallel=bool),
     "activation_checkpoint": dict(mode=str, selective_ac_option=str),
     "compile": dict(enable=bool, backend=str, fail_on_recompile=bool),
-    "data": dict(path=str, tokenizer=str, max_bytes=int),
-    "validation": dict(enable=bool, freq=int, steps=int),
+    "data": dict(path=str, split=str, text_field=str, tokenizer=str, cache_folder=str, max_bytes=int),
+    "validation": dict(enable=bool, freq=int, steps=int, path=str),
     "metrics": dict(measure_cpu_peak=bool, log_freq=int, enable_tensorboard=bool, save_tb_folder=str),
     "checkpoint": dict(enable=bool, folder=str, interval=int, keep_latest_k=int,  # torchtitan's names
                        initial_load_path=str, initial_load_in_hf=bool, last_save_in_hf=bool, hf_max_shard_mb=int),
@@ -129,7 +129,7 @@ def model_from_hf_folder(path: Path, model: dict, overrides: dict) -> dict:
 
 def validate(cfg: dict, world_size: int, overrides: dict | None = None) -> None:
     """Raise ConfigError naming the first field that breaks a rule, section by section, in
-    SCHEMA's order; resolve a -1 parallelism degree; [model] from an HF folder, which the
+    SCHEMA's order; resolve a -1 parallelism degree and data.tokenizer's ""; [model] from an HF folder, which the
     command line's `overrides` must agree with. Nothing is written."""
     c = cfg.get("checkpoint", {})
     if c.get("enable") is True and c.get("initial_load_in_hf") is True and c.get("initial_load_path"):
@@ -142,6 +142,8 @@ def validate(cfg: dict, world_size: int, overrides: dict | None = None) -> None:
     check_parallelism(cfg, world_size)
     check_activation_checkpoint(cfg["activation_checkpoint"])
     check_compile(cfg["compile"])
+    if not cfg["data"]["tokenizer"] and c["initial_load_in_hf"]:  # the HF folder's tokenizer
+        cfg["data"]["tokenizer"] = c["initial_load_path"]
     require(cfg["data"]["max_bytes"] >= 1_000_000, f"data.max_bytes = {cfg['data']['max_bytes']} must be >= 1000000")
     require_positive(cfg["validation"], "validation", "freq")
     require(cfg["validation"]["steps"] >= 0, f"validation.steps = {cfg['validation']['steps']} must be >= 0")

@@ -1,66 +1,97 @@
-"""What the model trains on: the standard library's bytes (the default), or your documents
-(`data.path`) tokenized and packed into windows whose `position_ids` restart at every document
-(model.forward_logits builds block-causal masks from them). Every 10th document is held out; data-
-parallel rank r of D reads documents r, r + D, ... from an (epoch, document, token) a checkpoint saves.
+"""What the model trains on: the standard library's bytes (the default), or your documents (`data.path`),
+tokenized once (corpus.py) and packed end to end into windows whose `position_ids` restart at every
+document (model.forward_logits builds block-causal masks from them), in a new seeded order each epoch.
+Held out: validation.path, else the corpus' validation split, else every 10th document from the 10th.
 """
 
-import glob
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-import torch.distributed as dist
 
 from config import global_batch_size
+from corpus import DataError, Tokens, splits_of, tokenized, vocabulary_size
 
-SUFFIXES = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # datasets' builders
 IGNORED = -100  # F.cross_entropy's ignore_index
 
 
-class DataError(ValueError):
-    """What stops a run before any work: data.path or data.tokenizer that cannot give batches."""
+@dataclass
+class Documents:
+    tokens: Tokens
+    docs: np.ndarray  # which of its documents, in their order
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def lengths(self) -> np.ndarray:
+        starts = np.asarray(self.tokens.starts)
+        return starts[self.docs + 1] - starts[self.docs]
 
 
 @dataclass
 class Corpus:
-    train: object  # the standard library's bytes (a tensor) or your documents (a datasets.Dataset)
-    held_out: object
+    train: object  # the standard library's bytes (a tensor) or your Documents
+    held_out: object  # the same, or None
     tokenizer: object = "bytes"  # or transformers' tokenizer
     source: str = "bytes"  # the tokenizer's folder
-    ids: int = 256  # the tokenizer's vocabulary
+    held_out_from: str = "every 10th file"
 
 
-def prepare(cfg: dict) -> Corpus:
-    """[data] checked against the model and the global batch, on every rank before any process
-    group: each problem is one DataError line. The tokenizer is data.tokenizer, else the HF folder's."""
-    d, c, m, t = cfg["data"], cfg["checkpoint"], cfg["model"], cfg["training"]
-    hf_folder = c["initial_load_path"] if c["initial_load_in_hf"] else ""
-    source = d["tokenizer"] or hf_folder
-    if not d["path"]:
+def prepare(d: dict, validation_path: str, vocab_size: int, batch_tokens: int) -> Corpus:
+    """[data] checked against the model's vocabulary and one global batch's tokens, on every rank before any
+    process group (each problem one DataError line); your documents tokenized, or read from the cache."""
+    source, path = d["tokenizer"], d["path"]
+    if not path:
         if source and source != "bytes":
             raise DataError(f"data.path is empty: the standard library's bytes, as ids 0-255, mean nothing to {source}'s "
-                            f"vocabulary of {m['vocab_size']:,}; set data.path to your documents, or data.tokenizer = "
+                            f"vocabulary of {vocab_size:,}; set data.path to your documents, or data.tokenizer = "
                             "bytes to train on those ids anyway")
-        require_vocabulary(256, "bytes", m)
+        require_vocabulary(256, "bytes", vocab_size)
         return Corpus(*load_stdlib_bytes(d["max_bytes"]))
     if not source:
-        raise DataError(f"data.path = {d['path']!r} needs a tokenizer: set data.tokenizer to a folder with "
+        raise DataError(f"data.path = {path!r} needs a tokenizer: set data.tokenizer to a folder with "
                         "tokenizer.json, or bytes (ids 0-255)")
     tokenizer = load_tokenizer(source)
-    ids = 256 if tokenizer == "bytes" else len(tokenizer)
-    require_vocabulary(ids, source, m)
-    train, held_out = split_documents(load_documents(d["path"]))
-    need = global_batch_size(cfg) * t["seq_len"] + 1
-    if (have := count_tokens(train, tokenizer, need)) < need:
-        raise DataError(f"data.path = {d['path']!r} holds {have:,} training tokens ({len(train)} documents, every "
-                        f"10th held out), fewer than one global batch's {need:,}")
-    return Corpus(train, held_out, tokenizer, source, ids)
+    require_vocabulary(vocabulary_size(tokenizer), source, vocab_size)
+    read = lambda split: tokenized(split, d["text_field"], tokenizer, d["cache_folder"])  # noqa: E731
+    splits = splits_of(path)
+    if d["split"] not in splits:
+        raise DataError(f"data.path = {path!r} has no {d['split']!r} split (its splits: {', '.join(splits)}); set data.split")
+    held, how = held_out_split(splits, d["split"], validation_path)
+    train = read(splits[d["split"]])
+    if held is not None:
+        train, held_out = whole(train), whole(read(held))
+    else:  # a share that leaves a corpus of under 10 documents all of them
+        every = np.arange(len(train.starts) - 1)
+        train, held_out = Documents(train, every[every % 10 != 9]), Documents(train, every[9::10])
+    if (have := int(train.lengths().sum())) < batch_tokens:
+        raise DataError(f"data.path = {path!r} holds {have:,} training tokens ({len(train):,} documents, "
+                        f"{train.tokens.skipped:,} empty or null skipped; held out: {how}), fewer than one global "
+                        f"batch's {batch_tokens:,}")
+    return Corpus(train, held_out if len(held_out) else None, tokenizer, source, how)
 
 
-def require_vocabulary(size: int, source: str, m: dict) -> None:
-    if size > m["vocab_size"]:
-        raise DataError(f"the {source} tokenizer has {size:,} ids, more than model.vocab_size = {m['vocab_size']:,}")
+def held_out_split(splits: dict, split: str, validation_path: str):
+    """(the held-out split's files, or None for a share of data.split's; where it comes from). A test split is never read."""
+    if validation_path:
+        held = splits_of(validation_path, "validation.path")
+        if "validation" in held or len(held) == 1:
+            return held.get("validation", next(iter(held.values()))), "validation.path"
+        raise DataError(f"validation.path = {validation_path!r} has no 'validation' split (its splits: {', '.join(held)})")
+    if "validation" in splits and split != "validation":
+        return splits["validation"], "its validation split"
+    return None, "every 10th document"
+
+
+def whole(tokens: Tokens) -> "Documents":
+    return Documents(tokens, np.arange(len(tokens.starts) - 1))
+
+
+def require_vocabulary(size: int, source: str, vocab_size: int) -> None:
+    if size > vocab_size:
+        raise DataError(f"the {source} tokenizer has {size:,} ids, more than model.vocab_size = {vocab_size:,}")
 
 
 def training_batches(corpus: Corpus, cfg: dict, dp_mesh=None):
@@ -69,19 +100,17 @@ def training_batches(corpus: Corpus, cfg: dict, dp_mesh=None):
     if isinstance(corpus.train, torch.Tensor):
         generator = torch.Generator().manual_seed(t["seed"])
         return random_windows(corpus.train, rank_batch, t["seq_len"], generator, dp_mesh), generator
-    packed = PackedDocuments(corpus.train, corpus.tokenizer, rank_batch, t["seq_len"], dp_mesh)
-    return iter(packed), packed
+    windows = Windows(corpus.train, rank_batch, t["seq_len"], dp_mesh, seed=t["seed"])
+    return iter(windows), windows
 
 
 def held_out_batches(corpus: Corpus, cfg: dict, dp_mesh=None):
-    """Batches of held-out data as training's, always the same ones; None where a dp rank would get no document."""
+    """Batches of held-out data as training's, always the same ones (in their order); None for none."""
     t, rank_batch = cfg["training"], global_batch_size(cfg) // cfg["parallelism"]["dp_shard"]
     if isinstance(corpus.held_out, torch.Tensor):
         generator = torch.Generator().manual_seed(t["seed"] + 1)
         return random_windows(corpus.held_out, rank_batch, t["seq_len"], generator, dp_mesh)
-    if len(corpus.held_out) < dp_coordinates(dp_mesh)[1]:
-        return None
-    return iter(PackedDocuments(corpus.held_out, corpus.tokenizer, rank_batch, t["seq_len"], dp_mesh))
+    return None if corpus.held_out is None else iter(Windows(corpus.held_out, rank_batch, t["seq_len"], dp_mesh))
 
 
 # -----------------------------------------------------------------------------
@@ -119,6 +148,8 @@ def dp_coordinates(dp_mesh) -> tuple[int, int]:
     return (dp_mesh.get_local_rank(), dp_mesh.size()) if dp_mesh is not None else (0, 1)
 
 
+
+
 # -----------------------------------------------------------------------------
 # your documents
 
@@ -136,117 +167,57 @@ def load_tokenizer(folder: str):
                         f"with its tokenizer_config.json): {str(e).strip().splitlines()[0]}") from None
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    """A document's ids: with the special tokens its tokenizer adds (Llama's BOS), then its EOS."""
-    if tokenizer == "bytes":
-        return list(text.encode())
-    ids = tokenizer(text, verbose=False)["input_ids"]
-    eos = tokenizer.eos_token_id
-    return ids + [eos] if eos is not None and ids[-1:] != [eos] else ids
+class Windows:
+    """Endless batches of `documents` end to end, each epoch in a new order drawn from `seed` (None: in
+    their order, every time). Of each global batch, dp_size x batch_size windows of seq_len in a row, dp
+    rank r takes the r-th batch_size. A window is a slice of the memory map by offsets, as arrays; its
+    position, which a checkpoint saves, is one token offset into the endless stream, on every rank."""
 
-
-def load_documents(path: str):
-    """Every document at `path` as a `datasets.Dataset` with a `text` column (memory-mapped): a
-    `datasets` folder (save_to_disk), or a file, a glob or a folder of .txt (a document each),
-    .jsonl/.json or .parquet (a record each) files of one kind."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    if Path(path, "dataset_info.json").is_file() or Path(path, "state.json").is_file():
-        table = datasets.load_from_disk(path)
-    else:
-        files = sorted(p for p in (Path(path).rglob("*") if Path(path).is_dir() else map(Path, glob.glob(path)))
-                       if p.suffix in SUFFIXES and p.is_file())
-        if not files:
-            raise DataError(f"data.path = {path!r} matches no {', '.join(SUFFIXES)} file")
-        kinds = {SUFFIXES[p.suffix] for p in files}
-        if len(kinds) > 1:
-            raise DataError(f"data.path = {path!r} mixes {' and '.join(sorted(kinds))} files: give one kind")
-        kind = kinds.pop()
-        options = {"sample_by": "document"} if kind == "text" else {}
-        table = datasets.load_dataset(kind, data_files=[str(p) for p in files], split="train", **options)
-    if isinstance(table, datasets.DatasetDict):
-        table = table["train"] if "train" in table else next(iter(table.values()))
-    if "text" not in table.column_names:
-        raise DataError(f"data.path = {path!r} has no 'text' field (its fields: {', '.join(table.column_names)})")
-    return table.select_columns(["text"])
-
-
-def split_documents(table) -> tuple:
-    """(train, held_out): every 10th document held out, as the standard library's files."""
-    return table.select([i for i in range(len(table)) if i % 10]), table.select(range(0, len(table), 10))
-
-
-def count_tokens(table, tokenizer, enough: int) -> int:
-    """Tokens in `table`'s documents, counted until `enough`: the check before any work reads no more."""
-    total = 0
-    for row in table:
-        total += len(encode(tokenizer, row["text"] or ""))
-        if total >= enough:
-            break
-    return total
-
-
-class PackedDocuments:
-    """This dp rank's share of `texts`, packed end to end into batches of windows, endlessly
-    (a new epoch where they end). Iterating gives (inputs, targets, position_ids), each
-    [batch_size, seq_len]; `get_state`/`set_state` are the data position a checkpoint saves."""
-
-    def __init__(self, table, tokenizer, batch_size: int, seq_len: int, dp_mesh=None):
+    def __init__(self, documents: Documents, batch_size: int, seq_len: int, dp_mesh=None, seed: int | None = None):
+        self.ids, self.key = documents.tokens.ids, documents.tokens.key
+        self.first, self.lengths = np.asarray(documents.tokens.starts)[documents.docs], documents.lengths()
+        self.total = int(self.lengths.sum())
         self.dp_rank, self.dp_size = dp_coordinates(dp_mesh)
-        self.group = dp_mesh.get_group() if dp_mesh is not None else None
-        self.texts, self.tokenizer = table.select(range(self.dp_rank, len(table), self.dp_size)), tokenizer
-        self.batch_size, self.seq_len = batch_size, seq_len
-        self.epoch = self.doc = self.token = 0  # where the next window starts
-        self.cached = (None, [])  # (document, its ids): one tokenized at a time
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.offset, self.orders = 0, {}
 
     def __iter__(self):
+        b, n, column = self.batch_size, self.seq_len, np.arange(self.seq_len)
         while True:
-            windows = [self.window() for _ in range(self.batch_size)]
-            yield tuple(torch.tensor(column) for column in zip(*windows))
+            ids, starts = self.take(self.offset + self.dp_rank * b * n, b * n + 1)  # the last target: one more
+            self.offset += self.dp_size * b * n
+            targets = np.where(starts[1:], IGNORED, ids[1:])  # a document's first token is no target
+            restarts = starts[:-1].reshape(b, n) | (column == 0)
+            positions = column - np.maximum.accumulate(np.where(restarts, column, 0), axis=1)
+            yield torch.from_numpy(ids[:-1].reshape(b, n)), torch.from_numpy(targets.reshape(b, n)), torch.from_numpy(positions)
 
-    def window(self) -> tuple[list[int], list[int], list[int]]:
-        """The next seq_len tokens, each's target and position; the position moves seq_len tokens
-        on (the last target is the next window's first token)."""
-        ids, starts = self.take(self.seq_len)
-        here = (self.epoch, self.doc, self.token)
-        next_id, next_start = self.take(1)
-        self.epoch, self.doc, self.token = here
-        targets = [IGNORED if start else token for token, start in zip(ids[1:] + next_id, starts[1:] + next_start)]
-        positions = []
-        for start in starts:
-            positions.append(0 if start or not positions else positions[-1] + 1)
-        return ids, targets, positions
+    def take(self, offset: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The stream's tokens offset..offset + count, and whether each begins a document."""
+        ids, starts = [], []
+        while count:
+            epoch, at = divmod(offset, self.total)
+            part = min(count, self.total - at)
+            order, ends = self.order(epoch)
+            k0, k1 = np.searchsorted(ends, [at, at + part - 1], side="right")
+            picked, end = order[k0 : k1 + 1], ends[k0 : k1 + 1]
+            begin = end - self.lengths[picked]  # in the stream
+            counts, stream = np.minimum(end, at + part) - np.maximum(begin, at), np.arange(at, at + part)
+            ids.append(self.ids[np.repeat(self.first[picked] - begin, counts) + stream])
+            starts.append(stream == np.repeat(begin, counts))
+            offset, count = offset + part, count - part
+        return np.concatenate(ids).astype(np.int64), np.concatenate(starts)
 
-    def take(self, n: int) -> tuple[list[int], list[bool]]:
-        """n tokens from the position on, and whether each starts a document; the position moves."""
-        ids, starts, empty = [], [], 0
-        while len(ids) < n:
-            if self.cached[0] != self.doc:
-                self.cached = (self.doc, encode(self.tokenizer, self.texts[self.doc]["text"] or ""))
-            empty = 0 if self.cached[1] else empty + 1
-            if empty > len(self.texts):
-                raise DataError(f"data rank {self.dp_rank}'s {len(self.texts)} documents are all empty")
-            part = self.cached[1][self.token : self.token + n - len(ids)]
-            starts += [self.token == 0] + [False] * (len(part) - 1) if part else []
-            ids += part
-            self.token += len(part)
-            if self.token >= len(self.cached[1]):
-                self.doc, self.token = self.doc + 1, 0
-                if self.doc == len(self.texts):
-                    self.epoch, self.doc = self.epoch + 1, 0
-        return ids, starts
+    def order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The documents' order in `epoch` and where each ends in it; two epochs kept (a window spans them)."""
+        if epoch not in self.orders:
+            order = np.arange(len(self.lengths)) if self.seed is None else \
+                np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
+            self.orders = {e: o for e, o in self.orders.items() if e == epoch - 1}
+            self.orders[epoch] = order, np.cumsum(self.lengths[order])
+        return self.orders[epoch]
 
     def get_state(self) -> torch.Tensor:
-        """Every dp rank's (epoch, document, token), [dp_size, 3]: the same tensor on every rank
-        (a collective), which DCP saves once."""
-        mine = torch.tensor([self.epoch, self.doc, self.token])
-        if self.group is None:
-            return mine.unsqueeze(0)
-        mine = mine.cuda() if dist.get_backend(self.group) == "nccl" else mine
-        every = [torch.empty_like(mine) for _ in range(self.dp_size)]
-        dist.all_gather(every, mine, group=self.group)
-        return torch.stack(every).cpu()
+        return torch.tensor([self.offset])
 
     def set_state(self, state: torch.Tensor) -> None:
-        self.epoch, self.doc, self.token = state[self.dp_rank].tolist()
+        self.offset = int(state[0])

@@ -13,6 +13,7 @@ from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.tools.utils import get_peak_flops
 
 from config import global_batch_size
+from corpus import vocabulary_size
 from parallelize import bfloat16_by
 
 
@@ -34,14 +35,20 @@ def run_line(cfg: dict, world_size: int, device: torch.device) -> str:
 
 
 def data_line(cfg: dict, corpus) -> str:
-    """What the run trains on (data.Corpus), its tokenizer, and the masks packed documents cost."""
+    """What the run trains on (data.Corpus): documents, tokens, what was skipped and held out, the
+    tokenized copy (built now, or read), the tokenizer, and the masks packed documents cost."""
     if isinstance(corpus.train, torch.Tensor):
         return f"data: {len(corpus.train):,} train bytes, {len(corpus.held_out):,} held-out bytes of the Python stdlib"
-    d, t = cfg["data"], cfg["training"]
-    return (f"data: {len(corpus.train):,} documents of {d['path']} ({len(corpus.held_out):,} more held out), "
-            f"tokenized by {corpus.source}'s tokenizer ({corpus.ids:,} ids), packed "
-            f"into windows of {t['seq_len']}: block-causal masks of {t['local_batch_size'] * t['seq_len'] ** 2 / 2**20:,.1f} "
-            "MiB a step")
+    d, t, tokens = cfg["data"], cfg["training"], corpus.train.tokens
+    held = corpus.held_out
+    built = f"tokenized in {tokens.built:.1f} s" if tokens.built is not None else "read from the tokenized copy"
+    return (f"data: {len(corpus.train):,} documents, {int(corpus.train.lengths().sum()):,} tokens of {d['path']} "
+            f"({d['split']}; {tokens.skipped:,} empty or null skipped), {built} {d['cache_folder']}/{tokens.key} by "
+            f"{corpus.source}'s tokenizer ({vocabulary_size(corpus.tokenizer):,} ids); held out: "
+            + (f"{len(held):,} documents, {corpus.held_out_from}" if held else f"none ({corpus.held_out_from} of "
+               f"{len(corpus.train):,}: set validation.path)")
+            + f"; packed into windows of {t['seq_len']}, shuffled each epoch by training.seed; block-causal masks of "
+            f"{t['local_batch_size'] * t['seq_len'] ** 2 / 2**20:,.1f} MiB a step")
 
 
 def log_tp_groups(parallel_dims, node: int, log) -> None:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,27 +30,27 @@ def files(tmp_path_factory) -> dict:
     return {**folders, "docs": make_documents(root / "docs.jsonl")}
 
 
-def packed_batch(docs: Path, tokenizer_folder: Path, dp_size: int, batch_size: int, seq_len: int):
-    """The global batch step 1 trains on, packed here without the project's code: dp rank r's share
-    is training documents r, r + dp, ... (every 10th held out), each with its tokenizer's BOS and an
-    EOS, laid end to end; a window's positions restart at each document, whose first token is no target."""
+def packed_batch(docs: Path, tokenizer_folder: Path, dp_size: int, batch_size: int, seq_len: int, seed: int = 42):
+    """The global batch step 1 trains on, packed here without the project's code: the training documents
+    (every 10th from the 10th held out), each with its tokenizer's BOS and an EOS, end to end in epoch 0's
+    order (numpy's permutation seeded by [training.seed, 0]); dp rank r's windows are the r-th batch_size of
+    the global batch. A window's positions restart at each document, whose first token is no target."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     texts = [json.loads(line)["text"] for line in docs.read_text().splitlines()]
-    train = [text for i, text in enumerate(texts) if i % 10]
+    train = [text for i, text in enumerate(texts) if i % 10 != 9]
+    ids, starts = [], []
+    for k in np.random.default_rng([seed, 0]).permutation(len(train)):
+        doc = tokenizer(train[k])["input_ids"] + [tokenizer.eos_token_id]
+        ids, starts = ids + doc, starts + [True] + [False] * (len(doc) - 1)
     rows = []
-    for rank in range(dp_size):
-        ids, starts = [], []
-        for text in train[rank::dp_size]:
-            doc = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
-            ids, starts = ids + doc, starts + [True] + [False] * (len(doc) - 1)
-        for b in range(batch_size):
-            window, start = ids[b * seq_len : (b + 1) * seq_len + 1], starts[b * seq_len : (b + 1) * seq_len + 1]
-            positions = []
-            for s in start[:-1]:
-                positions.append(0 if s or not positions else positions[-1] + 1)
-            rows.append((window[:-1], [-100 if s else i for i, s in zip(window[1:], start[1:])], positions))
+    for b in range(batch_size * dp_size):
+        window, start = ids[b * seq_len : (b + 1) * seq_len + 1], starts[b * seq_len : (b + 1) * seq_len + 1]
+        positions = []
+        for s in start[:-1]:
+            positions.append(0 if s or not positions else positions[-1] + 1)
+        rows.append((window[:-1], [-100 if s else i for i, s in zip(window[1:], start[1:])], positions))
     return tuple(torch.tensor(column) for column in zip(*rows))
 
 
@@ -346,8 +347,8 @@ def test_each_data_problem_is_one_line_before_any_work(files, tmp_path, capsys, 
         (hf + [str(small_vocabulary), "--data.path", str(files["docs"]), "--data.tokenizer", "bytes", *SMALL_BATCH], None),
         (["--data.path", str(tmp_path / "*.txt"), "--data.tokenizer", "bytes"], "matches no .txt, .jsonl, .json, .parquet file"),
         (["--data.path", str(tmp_path / "no-text.jsonl"), "--data.tokenizer", "bytes"], "has no 'text' field (its fields: body)"),
-        (["--data.path", str(tmp_path / "short.jsonl"), "--data.tokenizer", "bytes"], "holds 36 training tokens (2 "
-         "documents, every 10th held out), fewer than one global batch's 2,049"),
+        (["--data.path", str(tmp_path / "short.jsonl"), "--data.tokenizer", "bytes"], "holds 54 training tokens (3 "
+         "documents, 0 empty or null skipped; held out: every 10th document), fewer than one global batch's 2,049"),
         (["--model.vocab_size", "128", "--data.path", str(files["docs"]), "--data.tokenizer", "bytes"],
          "the bytes tokenizer has 256 ids, more than model.vocab_size = 128"),
         (["--model.attn_implementation", "flex_attention"], "'flex_attention' is refused: torch 2.15 has no FlexAttention "
@@ -395,7 +396,7 @@ def test_every_kind_of_data_path_gives_the_same_documents(files, tmp_path):
     (save_to_disk, other columns beside `text`): the same documents in the same order."""
     import datasets
 
-    from data import load_documents
+    from corpus import read_documents, splits_of
 
     texts = [json.loads(line)["text"] for line in files["docs"].read_text().splitlines()]
     (tmp_path / "txt").mkdir()
@@ -404,4 +405,5 @@ def test_every_kind_of_data_path_gives_the_same_documents(files, tmp_path):
     datasets.Dataset.from_dict({"text": texts}).to_parquet(str(tmp_path / "docs.parquet"))
     datasets.Dataset.from_dict({"id": list(range(len(texts))), "text": texts}).save_to_disk(str(tmp_path / "saved"))
     for path in (files["docs"], tmp_path / "txt", tmp_path / "txt" / "*.txt", tmp_path / "docs.parquet", tmp_path / "saved"):
-        assert load_documents(str(path))["text"][:] == texts, path
+        [(split, files)] = splits_of(str(path)).items()
+        assert split == "train" and list(read_documents(files, "text")) == texts, path
