@@ -5,6 +5,8 @@
                                                   # memory at a long sequence, with and without SP
     python bench.py --nproc 1 --variants patched,titan --model.hidden_size 2048 --training.mixed_precision_param bfloat16
                                                   # train.py's --section.key value overrides: any shape, dtype
+    python bench.py --data DOCS --tokenizer FOLDER --seq-len 2048 --batch 8
+                                                  # the data path alone: tokenization, cached start-up, windows/s
 
 Variants, same shapes, data, seed, optimizer, TP degree, AC (full unless --ac none), inductor per block,
 and compute dtype (training.mixed_precision_param: bfloat16 autocasts every variant's forward):
@@ -294,7 +296,11 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--data", help="time the data path alone on these documents (data.path), nothing else")
+    parser.add_argument("--tokenizer", default="bytes", help="with --data: data.tokenizer")
     args, args.override_args = parser.parse_known_args()
+    if args.data:
+        return bench_data(args.data, args.tokenizer, args.seq_len, args.batch)
     try:  # the rest: train.py's --section.key value overrides, read by its parser
         config_path, args.overrides = parse_args(args.override_args)
     except ConfigError as e:
@@ -336,6 +342,39 @@ def main() -> None:
     rows = {v: rs[0] if "error" in rs[0] else summarize(rs[0], [r for r in rs[1:] if "error" not in r], one["losses"])
             for v, rs in runs.items()}
     print_table(rows, args)
+
+
+def bench_data(path: str, tokenizer: str, seq_len: int, batch: int, seconds: float = 10.0) -> None:
+    """data.prepare into an empty cache (the first run: tokenization's tokens/s, and the cores it kept busy:
+    CPU seconds / wall seconds), again from the cache (start-up), then batches from the memory map for
+    `seconds` on one thread: the data path's tokens/s per rank."""
+    import resource
+
+    import torch
+
+    import data
+
+    torch.set_num_threads(1)
+    cache = tempfile.mkdtemp(prefix="bench-data-")
+    keys = dict(path=path, split="train", text_field="text", tokenizer=tokenizer, cache_folder=cache, max_bytes=0)
+    try:
+        for run in ("first run", "cached"):
+            wall, cpu = time.perf_counter(), time.process_time()
+            corpus = data.prepare(keys, "", 1 << 40, seq_len * batch + 1)
+            wall, cpu, tokens = time.perf_counter() - wall, time.process_time() - cpu, corpus.train.tokens
+            built = f"; tokenized {tokens.ids.size:,} tokens in {tokens.built:.2f} s: {tokens.ids.size / tokens.built:,.0f} " \
+                    f"tokens/s on {cpu / wall:.2f} cores" if tokens.built else ""
+            print(f"{run}: prepare {wall:.2f} s, {len(corpus.train):,} training documents{built}; "
+                  f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB", flush=True)
+        windows, count, start = iter(data.Windows(corpus.train, batch, seq_len, seed=0)), 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            next(windows)
+            count += 1
+        elapsed = time.perf_counter() - start
+        print(f"windows of {seq_len} x {batch}: {count:,} batches in {elapsed:.1f} s, "
+              f"{count * batch * seq_len / elapsed:,.0f} tokens/s on one thread")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ and the one-line refusals. Folders, tokenizer and documents are made here (harne
 
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -24,10 +25,10 @@ STEPS = ("--training.steps", "2", "--training.seq_len", "64", "--training.local_
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict:
     """Two Hub-format Llamas (Llama 3.2-like: legacy rope_scaling, bfloat16, tied, GQA, 128,256 ids;
-    Llama 2-like: default RoPE, untied), each with a tokenizer, and 40 documents as JSON lines."""
+    Llama 2-like: default RoPE, untied), each with a tokenizer, and 40 documents as JSON lines (12: few)."""
     root = tmp_path_factory.mktemp("user")
     folders = {kind: make_tokenizer(make_hub_llama(root / kind, kind)) for kind in ("llama3", "llama2")}
-    return {**folders, "docs": make_documents(root / "docs.jsonl")}
+    return {**folders, "docs": make_documents(root / "docs.jsonl"), "few": make_documents(root / "few.jsonl", 12)}
 
 
 def packed_batch(docs: Path, tokenizer_folder: Path, dp_size: int, batch_size: int, seq_len: int, seed: int = 42):
@@ -370,12 +371,14 @@ def test_each_data_problem_is_one_line_before_any_work(files, tmp_path, capsys, 
 # a killed run resumes at the same document and token ------------------------------------------
 
 def test_a_run_killed_after_a_save_resumes_at_the_same_document_and_token(files, tmp_path):
-    """TP 2: kill -9 every process once step 3 is saved; the same command resumes from the data
-    position each rank saved (epoch, document, token) and gives the uninterrupted run's losses."""
+    """TP 2, 6 steps over a corpus of fewer tokens (new shuffled epochs): kill -9 every process once step 3
+    is saved; the same command resumes from the saved token offset and gives the uninterrupted run's losses."""
     args = [*STEPS, "--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.initial_load_in_hf", "true",
-            "--checkpoint.initial_load_path", str(files["llama2"]), "--data.path", str(files["docs"])]
+            "--checkpoint.initial_load_path", str(files["llama2"]), "--data.path", str(files["few"])]
     whole = _torchrun(*args, "--checkpoint.folder", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr[-3000:]
+    tokens = int(re.search(r"data: 12 documents, ([\d,]+) tokens", whole.stdout).group(1).replace(",", ""))
+    assert 3 * 2 * 64 < tokens < 6 * 2 * 64, f"{tokens} tokens: the resumed steps do not begin a new epoch"
     resumed = [*args, "--checkpoint.folder", str(tmp_path / "killed"), "--checkpoint.interval", "3"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with subprocess.Popen(_torchrun_cmd(*resumed), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,

@@ -1,0 +1,206 @@
+"""Your text at a real size: tokenized once into a memory map (the ids of each document whole, however
+long), reused until its files or tokenizer change; the layouts users have (a Hub snapshot's splits, a
+DatasetDict, another text field); shuffled epochs; and every bad input one line before any work."""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import corpus
+import data
+from harness import make_documents, make_tokenizer
+
+CFG = {"training": {"seed": 42, "seq_len": 64, "local_batch_size": 2, "global_batch_size": -1},
+       "parallelism": {"dp_shard": 1}}
+
+
+def data_keys(tmp_path: Path, path, tokenizer, **keys) -> dict:
+    return {"path": str(path), "split": "train", "text_field": "text", "tokenizer": str(tokenizer),
+            "cache_folder": str(tmp_path / "cache"), "max_bytes": 1_000_000, **keys}
+
+
+def documents_of(docs: "data.Documents") -> list[np.ndarray]:
+    starts = np.asarray(docs.tokens.starts)
+    return [np.asarray(docs.tokens.ids[starts[d] : starts[d + 1]]) for d in docs.docs]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_folder(tmp_path_factory) -> Path:
+    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+def test_a_long_document_is_tokenized_in_pieces_with_the_ids_of_the_whole(tmp_path, tokenizer_folder, monkeypatch):
+    """Pieces of about 300 characters cut at line ends give the whole text's ids, BOS once and an EOS; a
+    SentencePiece-style tokenizer (Metaspace marks a text's start), whose pieces would differ, is whole."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    monkeypatch.setattr(corpus, "PIECE", 300)
+    monkeypatch.setattr(corpus, "BATCH", 1000)  # several tokenizer calls, a document across them
+    text = Path(json.__file__).read_text()  # 14 KB of Python: 13 pieces
+    (tmp_path / "long.txt").write_text(text)
+    (tmp_path / "empty.txt").write_text("")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    assert len(corpus.pieces(text, corpus.PIECE)) == 13 and corpus.cuts_cleanly(tokenizer)
+    tokens = corpus.tokenized(sorted(tmp_path.glob("*.txt")), "text", tokenizer, str(tmp_path / "cache"))
+    [ids] = documents_of(data.Documents(tokens, np.arange(1)))
+    assert ids.tolist() == tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+    assert tokens.skipped == 1 and ids.dtype == np.uint16
+
+    metaspace = Tokenizer(models.BPE())
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    metaspace.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"]))
+    metaspace = PreTrainedTokenizerFast(tokenizer_object=metaspace, bos_token="<s>", eos_token="</s>")
+    assert not corpus.cuts_cleanly(metaspace)
+    [ids] = documents_of(data.Documents(corpus.tokenized([tmp_path / "long.txt"], "text", metaspace,
+                                                         str(tmp_path / "cache")), np.arange(1)))
+    assert ids.tolist() == metaspace(text)["input_ids"] + [metaspace.eos_token_id]
+
+
+def test_the_tokenized_copy_is_read_again_and_rebuilt_when_the_files_or_tokenizer_change(tmp_path, tokenizer_folder):
+    docs = make_documents(tmp_path / "docs.jsonl", count=30)
+    first = data.prepare(data_keys(tmp_path, docs, tokenizer_folder), "", 1000, 129)
+    again = data.prepare(data_keys(tmp_path, docs, tokenizer_folder), "", 1000, 129)
+    assert first.train.tokens.built is not None and again.train.tokens.built is None
+    assert first.train.tokens.key == again.train.tokens.key
+    assert [d.tolist() for d in documents_of(first.train)] == [d.tolist() for d in documents_of(again.train)]
+    other_tokenizer = data.prepare(data_keys(tmp_path, docs, "bytes"), "", 1000, 129)
+    docs.write_text(docs.read_text() + json.dumps({"text": "one more document"}) + "\n")
+    changed = data.prepare(data_keys(tmp_path, docs, tokenizer_folder), "", 1000, 129)
+    assert len({first.train.tokens.key, other_tokenizer.train.tokens.key, changed.train.tokens.key}) == 3
+    assert changed.train.tokens.built is not None and len(changed.train) + len(changed.held_out) == 31
+
+
+def test_a_snapshot_folder_trains_on_train_validates_on_validation_and_never_reads_test(tmp_path):
+    """Hub file names give the splits; the test split is a file pyarrow cannot read, so reading it fails."""
+    import datasets
+
+    snapshot = tmp_path / "snapshot" / "data"
+    snapshot.mkdir(parents=True)
+    texts = {split: [f"{split} document {i} " * (i + 3) for i in range(n)] for split, n in (("train", 30), ("validation", 4))}
+    for split, rows in texts.items():
+        datasets.Dataset.from_dict({"content": rows}).to_parquet(str(snapshot / f"{split}-00000-of-00001.parquet"))
+    (snapshot / "test-00000-of-00001.parquet").write_bytes(b"not parquet")
+    got = data.prepare(data_keys(tmp_path, snapshot.parent, "bytes", text_field="content"), "", 256, 129)
+    assert [bytes(d.astype(np.uint8)).decode() for d in documents_of(got.train)] == texts["train"]
+    assert [bytes(d.astype(np.uint8)).decode() for d in documents_of(got.held_out)] == texts["validation"]
+    assert got.held_out_from == "its validation split"
+    windows, _ = data.training_batches(got, CFG)
+    x, y, positions = next(windows)
+    assert x.shape == y.shape == positions.shape == (2, 64)
+
+    saved = tmp_path / "saved"  # load_dataset(...).save_to_disk(...): a DatasetDict folder
+    datasets.DatasetDict({split: datasets.Dataset.from_dict({"text": rows, "id": list(range(len(rows)))})
+                          for split, rows in texts.items()}).save_to_disk(str(saved))
+    got = data.prepare(data_keys(tmp_path, saved, "bytes"), "", 256, 129)
+    assert [bytes(d.astype(np.uint8)).decode() for d in documents_of(got.train)] == texts["train"]
+    assert len(got.held_out) == 4 and next(data.training_batches(got, CFG)[0])[0].shape == (2, 64)
+
+
+def test_one_document_trains_and_a_validation_path_holds_out(tmp_path):
+    """A corpus of under 10 documents holds none out (validation.path would); one document is enough."""
+    (tmp_path / "book.txt").write_text("a line of a book\n" * 200)
+    (tmp_path / "held.jsonl").write_text(json.dumps({"text": "held out " * 50}) + "\n")
+    alone = data.prepare(data_keys(tmp_path, tmp_path / "book.txt", "bytes"), "", 256, 129)
+    assert len(alone.train) == 1 and alone.held_out is None
+    held = data.prepare(data_keys(tmp_path, tmp_path / "book.txt", "bytes"), str(tmp_path / "held.jsonl"), 256, 129)
+    assert len(held.train) == 1 and len(held.held_out) == 1 and held.held_out_from == "validation.path"
+
+
+def test_shuffled_epochs_differ_and_dp_ranks_share_one_processs_global_batch(tmp_path):
+    """Epoch 0's and 1's orders differ, each holds every training document once; on dp 2 the ranks' rows
+    are one process's global batch; a resumed stream (set_state) gives the same windows."""
+    rows = [f"document {i}: " + "x" * (i % 7 + 1) for i in range(40)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+    got = data.prepare(data_keys(tmp_path, tmp_path / "docs.jsonl", "bytes"), "", 256, 129)
+    windows = data.Windows(got.train, 2, 64, seed=42)
+    orders = [windows.order(epoch)[0] for epoch in (0, 1)]
+    assert sorted(orders[0]) == sorted(orders[1]) == list(range(36)) and not np.array_equal(*orders)
+
+    class Mesh:  # what Windows reads of a dp mesh
+        def __init__(self, rank):
+            self.rank = rank
+
+        def get_local_rank(self):
+            return self.rank
+
+        def size(self):
+            return 2
+
+    whole_stream = data.Windows(got.train, 4, 64, seed=42)
+    one = iter(whole_stream)
+    ranks = [iter(data.Windows(got.train, 2, 64, Mesh(rank), seed=42)) for rank in (0, 1)]
+    for _ in range(12):  # several epochs of 30 tokens a document
+        whole = next(one)
+        for rank, it in enumerate(ranks):
+            for a, b in zip(next(it), whole):
+                assert torch.equal(a, b[2 * rank : 2 * rank + 2])
+    resumed = data.Windows(got.train, 4, 64, seed=42)
+    resumed.set_state(whole_stream.get_state())
+    for a, b in zip(iter(resumed), [next(one) for _ in range(3)]):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_each_bad_input_is_one_line_before_any_work(tmp_path, tokenizer_folder, capsys, monkeypatch):
+    """Through train.config_or_exit: exit 2 and one line naming the file and where."""
+    import train
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    good = json.dumps({"text": "a good document " * 40})
+    (tmp_path / "broken.jsonl").write_text(f"{good}\n{good}\n{{\"text\": \"cut\n{good}\n")
+    (tmp_path / "latin").mkdir()
+    (tmp_path / "latin" / "a.txt").write_text("plain text " * 50)
+    (tmp_path / "latin" / "b.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"text": null}\n{"text": ""}\n')
+    (tmp_path / "number.jsonl").write_text(f'{good}\n{{"text": 12}}\n')
+    (tmp_path / "content.jsonl").write_text(json.dumps({"content": "text " * 100}) + "\n")
+    (tmp_path / "snap" / "data").mkdir(parents=True)
+    (tmp_path / "snap" / "data" / "train-00000-of-00001.jsonl").write_text(good + "\n")
+    (tmp_path / "snap" / "data" / "test-00000-of-00001.jsonl").write_text(good + "\n")
+    small = ["--training.local_batch_size", "2", "--training.seq_len", "64", "--data.cache_folder", str(tmp_path / "c")]
+    probes = [
+        (["--data.path", str(tmp_path / "broken.jsonl")], f"{tmp_path / 'broken.jsonl'}:3: not a JSON record (Invalid "
+         "control character at, column 14)"),
+        (["--data.path", str(tmp_path / "latin")], f"{tmp_path / 'latin' / 'b.txt'}: the bytes at offset 3 (b'\\xe9 au'...) are not UTF-8"),
+        (["--data.path", str(tmp_path / "empty.jsonl")], "holds 0 training tokens (0 documents, 3 empty or null skipped"),
+        (["--data.path", str(tmp_path / "number.jsonl")], f"{tmp_path / 'number.jsonl'}:2: text is a int, not text"),
+        (["--data.path", str(tmp_path / "content.jsonl")], f"{tmp_path / 'content.jsonl'}:1 has no 'text' field (its "
+         "fields: content); name yours with data.text_field"),
+        (["--data.path", str(tmp_path / "content.jsonl"), "--data.text_field", "content"], None),
+        (["--data.path", str(tmp_path / "snap"), "--data.split", "validation"], "has no 'validation' split (its "
+         "splits: train, test); set data.split"),
+        (["--data.path", str(tmp_path / "content.jsonl"), "--data.text_field", "content", "--validation.path",
+          str(tmp_path / "snap")], "validation.path = " + repr(str(tmp_path / "snap")) + " has no 'validation' split"),
+        (["--data.path", str(tmp_path / "content.jsonl"), "--data.text_field", "content", "--data.cache_folder",
+          "/proc/nope"], "data.cache_folder = '/proc/nope' cannot hold the tokenized copy"),
+    ]
+    for argv, message in probes:
+        argv = ["--data.tokenizer", "bytes", *small, *argv]
+        if message is None:
+            train.config_or_exit(argv, train.launch_env())
+            continue
+        with pytest.raises(SystemExit) as exit:
+            train.config_or_exit(argv, train.launch_env())
+            pytest.fail(f"{argv} passed every check")
+        lines = capsys.readouterr().err.splitlines()
+        assert exit.value.code == 2 and len(lines) == 1 and message in lines[0], (argv, lines)
+
+
+def test_a_resume_into_changed_files_is_refused_in_one_line(tmp_path):
+    """The checkpoint records the tokenized copy's key (a hash of the files and tokenizer)."""
+    from checkpoint import MARKER, CheckpointError, require_same_run, run_record
+    from conftest import small_config
+
+    cfg = small_config()
+    saved, now = data.Windows.__new__(data.Windows), data.Windows.__new__(data.Windows)
+    saved.key, now.key = "0123456789abcdef", "fedcba9876543210"
+    (tmp_path / MARKER).write_text(json.dumps({"step": 1, "files": {}, "run": run_record(cfg, saved)}))
+    require_same_run(tmp_path, cfg, print, position=saved)
+    with pytest.raises(CheckpointError, match="was written with data.tokenized = '0123456789abcdef', this run has "
+                       "'fedcba9876543210'"):
+        require_same_run(tmp_path, cfg, print, position=now)
