@@ -80,7 +80,7 @@ def write_marker(path: Path, step: int, run: dict) -> str | None:
 
 
 # Keys a resume refuses to change, as any [model], [optimizer] or [lr_scheduler] key: a data position is into
-# these documents (data.tokenized: the hash of data.path's files and tokenizer, corpus.fingerprint).
+# these documents (data.tokenized: the hash of data.path's files and tokenizer, tokens.fingerprint).
 REFUSED = ("training.seed", "data.path", "data.split", "data.text_field", "data.tokenizer", "data.tokenized")
 
 

@@ -1,5 +1,5 @@
 """What the model trains on: the standard library's bytes (the default), or your documents (`data.path`),
-tokenized once (corpus.py) and packed end to end into windows whose `position_ids` restart at every
+tokenized once (tokens.py) and packed end to end into windows whose `position_ids` restart at every
 document (model.forward_logits builds block-causal masks from them), in a new seeded order each epoch.
 Held out: validation.path, else the corpus' validation split, else every 10th document from the 10th.
 """
@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 from config import global_batch_size
-from corpus import DataError, Tokens, splits_of, tokenized, vocabulary_size
+from documents import DataError, splits_of
+from tokens import Tokens, tokenized, vocabulary_size
 
 IGNORED = -100  # F.cross_entropy's ignore_index
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-import corpus
 import data
+import tokens
 from harness import make_documents, make_tokenizer
 
 CFG = {"training": {"seed": 42, "seq_len": 64, "local_batch_size": 2, "global_batch_size": -1},
@@ -39,24 +39,24 @@ def test_a_long_document_is_tokenized_in_pieces_with_the_ids_of_the_whole(tmp_pa
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    monkeypatch.setattr(corpus, "PIECE", 300)
-    monkeypatch.setattr(corpus, "BATCH", 1000)  # several tokenizer calls, a document across them
+    monkeypatch.setattr(tokens, "PIECE", 300)
+    monkeypatch.setattr(tokens, "BATCH", 1000)  # several tokenizer calls, a document across them
     text = Path(json.__file__).read_text()  # 14 KB of Python: 13 pieces
     (tmp_path / "long.txt").write_text(text)
     (tmp_path / "empty.txt").write_text("")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
-    assert len(corpus.pieces(text, corpus.PIECE)) == 13 and corpus.cuts_cleanly(tokenizer)
-    tokens = corpus.tokenized(sorted(tmp_path.glob("*.txt")), "text", tokenizer, str(tmp_path / "cache"))
-    [ids] = documents_of(data.Documents(tokens, np.arange(1)))
+    assert len(tokens.pieces(text, tokens.PIECE)) == 13 and tokens.cuts_cleanly(tokenizer)
+    long = tokens.tokenized(sorted(tmp_path.glob("*.txt")), "text", tokenizer, str(tmp_path / "cache"))
+    [ids] = documents_of(data.Documents(long, np.arange(1)))
     assert ids.tolist() == tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
-    assert tokens.skipped == 1 and ids.dtype == np.uint16
+    assert long.skipped == 1 and ids.dtype == np.uint16
 
     metaspace = Tokenizer(models.BPE())
     metaspace.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
     metaspace.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"]))
     metaspace = PreTrainedTokenizerFast(tokenizer_object=metaspace, bos_token="<s>", eos_token="</s>")
-    assert not corpus.cuts_cleanly(metaspace)
-    [ids] = documents_of(data.Documents(corpus.tokenized([tmp_path / "long.txt"], "text", metaspace,
+    assert not tokens.cuts_cleanly(metaspace)
+    [ids] = documents_of(data.Documents(tokens.tokenized([tmp_path / "long.txt"], "text", metaspace,
                                                          str(tmp_path / "cache")), np.arange(1)))
     assert ids.tolist() == metaspace(text)["input_ids"] + [metaspace.eos_token_id]
 
@@ -156,6 +156,9 @@ def test_each_bad_input_is_one_line_before_any_work(tmp_path, tokenizer_folder, 
     (tmp_path / "latin").mkdir()
     (tmp_path / "latin" / "a.txt").write_text("plain text " * 50)
     (tmp_path / "latin" / "b.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    (tmp_path / "latin.jsonl").write_bytes(f"{good}\n".encode() + '{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    (tmp_path / "array.json").write_text(f"[{good},\n{good},\n]")
+    (tmp_path / "list.jsonl").write_text(f"{good}\n[1, 2]\n")
     (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"text": null}\n{"text": ""}\n')
     (tmp_path / "number.jsonl").write_text(f'{good}\n{{"text": 12}}\n')
     (tmp_path / "content.jsonl").write_text(json.dumps({"content": "text " * 100}) + "\n")
@@ -167,6 +170,11 @@ def test_each_bad_input_is_one_line_before_any_work(tmp_path, tokenizer_folder, 
         (["--data.path", str(tmp_path / "broken.jsonl")], f"{tmp_path / 'broken.jsonl'}:3: not a JSON record (Invalid "
          "control character at, column 14)"),
         (["--data.path", str(tmp_path / "latin")], f"{tmp_path / 'latin' / 'b.txt'}: the bytes at offset 3 (b'\\xe9 au'...) are not UTF-8"),
+        (["--data.path", str(tmp_path / "latin.jsonl")], f"{tmp_path / 'latin.jsonl'}: the bytes at offset "
+         f"{len(good) + 1 + 13} (b'\\xe9\"}}\\n'...) are not UTF-8"),
+        (["--data.path", str(tmp_path / "array.json")], f"{tmp_path / 'array.json'}:3: not valid JSON (Expecting value)"),
+        (["--data.path", str(tmp_path / "list.jsonl")], f"{tmp_path / 'list.jsonl'}:2 is a JSON list, not an object with a "
+         "'text' field"),
         (["--data.path", str(tmp_path / "empty.jsonl")], "holds 0 training tokens (0 documents, 3 empty or null skipped"),
         (["--data.path", str(tmp_path / "number.jsonl")], f"{tmp_path / 'number.jsonl'}:2: text is a int, not text"),
         (["--data.path", str(tmp_path / "content.jsonl")], f"{tmp_path / 'content.jsonl'}:1 has no 'text' field (its "

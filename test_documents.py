@@ -399,7 +399,7 @@ def test_every_kind_of_data_path_gives_the_same_documents(files, tmp_path):
     (save_to_disk, other columns beside `text`): the same documents in the same order."""
     import datasets
 
-    from corpus import read_documents, splits_of
+    from documents import read_documents, splits_of
 
     texts = [json.loads(line)["text"] for line in files["docs"].read_text().splitlines()]
     (tmp_path / "txt").mkdir()
