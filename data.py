@@ -50,6 +50,9 @@ def prepare(d: dict, validation_path: str, vocab_size: int, batch_tokens: int) -
                             f"vocabulary of {vocab_size:,}; set data.path to your documents, or data.tokenizer = "
                             "bytes to train on those ids anyway")
         require_vocabulary(256, "bytes", vocab_size)
+        if validation_path:
+            raise DataError(f"validation.path = {validation_path!r} needs data.path: the standard library's bytes "
+                            "hold out every 10th file")
         return Corpus(*load_stdlib_bytes(d["max_bytes"]))
     if not source:
         raise DataError(f"data.path = {path!r} needs a tokenizer: set data.tokenizer to a folder with "
@@ -162,10 +165,13 @@ def load_tokenizer(folder: str):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError) as e:
         raise DataError(f"{folder} has no tokenizer transformers can load (tokenizer.json, or tokenizer.model "
                         f"with its tokenizer_config.json): {str(e).strip().splitlines()[0]}") from None
+    if getattr(tokenizer, "backend_tokenizer", None) is None:  # tokens.encode's batch path
+        raise DataError(f"{folder}'s tokenizer ({type(tokenizer).__name__}) has no tokenizers backend: give a tokenizer.json")
+    return tokenizer
 
 
 class Windows:

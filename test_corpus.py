@@ -1,6 +1,7 @@
 """Your text at a real size: tokenized once into a memory map (the ids of each document whole, however
 long), reused until its files or tokenizer change; the layouts users have (a Hub snapshot's splits, a
-DatasetDict, another text field); shuffled epochs; and every bad input one line before any work."""
+DatasetDict, another text field); shuffled epochs; a resume into changed files refused. Bad files:
+test_documents.py's one-line inputs."""
 
 import json
 import os
@@ -102,11 +103,19 @@ def test_a_snapshot_folder_trains_on_train_validates_on_validation_and_never_rea
 
 
 def test_one_document_trains_and_a_validation_path_holds_out(tmp_path):
-    """A corpus of under 10 documents holds none out (validation.path would); one document is enough."""
+    """A corpus of under 10 documents holds none out (validation.path would); one document is enough.
+    The data line counts the empty and null documents skipped."""
+    import report
+
     (tmp_path / "book.txt").write_text("a line of a book\n" * 200)
-    (tmp_path / "held.jsonl").write_text(json.dumps({"text": "held out " * 50}) + "\n")
-    alone = data.prepare(data_keys(tmp_path, tmp_path / "book.txt", "bytes"), "", 256, 129)
+    (tmp_path / "blank.txt").write_text("")
+    (tmp_path / "held.jsonl").write_text(json.dumps({"text": "held out " * 50}) + "\n" + json.dumps({"text": None}) + "\n")
+    keys = data_keys(tmp_path, tmp_path / "*.txt", "bytes")
+    alone = data.prepare(keys, "", 256, 129)
     assert len(alone.train) == 1 and alone.held_out is None
+    line = report.data_line({"data": keys, **CFG}, alone)
+    assert "data: 1 documents, 3,400 tokens of " in line and "(train; 1 empty or null skipped)" in line, line
+    assert "held out: none (every 10th document of 1: set validation.path)" in line, line
     held = data.prepare(data_keys(tmp_path, tmp_path / "book.txt", "bytes"), str(tmp_path / "held.jsonl"), 256, 129)
     assert len(held.train) == 1 and len(held.held_out) == 1 and held.held_out_from == "validation.path"
 
@@ -143,60 +152,6 @@ def test_shuffled_epochs_differ_and_dp_ranks_share_one_processs_global_batch(tmp
     resumed.set_state(whole_stream.get_state())
     for a, b in zip(iter(resumed), [next(one) for _ in range(3)]):
         assert all(torch.equal(u, v) for u, v in zip(a, b))
-
-
-def test_each_bad_input_is_one_line_before_any_work(tmp_path, tokenizer_folder, capsys, monkeypatch):
-    """Through train.config_or_exit: exit 2 and one line naming the file and where."""
-    import train
-
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    good = json.dumps({"text": "a good document " * 40})
-    (tmp_path / "broken.jsonl").write_text(f"{good}\n{good}\n{{\"text\": \"cut\n{good}\n")
-    (tmp_path / "latin").mkdir()
-    (tmp_path / "latin" / "a.txt").write_text("plain text " * 50)
-    (tmp_path / "latin" / "b.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
-    (tmp_path / "latin.jsonl").write_bytes(f"{good}\n".encode() + '{"text": "caf\u00e9"}\n'.encode("latin-1"))
-    (tmp_path / "array.json").write_text(f"[{good},\n{good},\n]")
-    (tmp_path / "list.jsonl").write_text(f"{good}\n[1, 2]\n")
-    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"text": null}\n{"text": ""}\n')
-    (tmp_path / "number.jsonl").write_text(f'{good}\n{{"text": 12}}\n')
-    (tmp_path / "content.jsonl").write_text(json.dumps({"content": "text " * 100}) + "\n")
-    (tmp_path / "snap" / "data").mkdir(parents=True)
-    (tmp_path / "snap" / "data" / "train-00000-of-00001.jsonl").write_text(good + "\n")
-    (tmp_path / "snap" / "data" / "test-00000-of-00001.jsonl").write_text(good + "\n")
-    small = ["--training.local_batch_size", "2", "--training.seq_len", "64", "--data.cache_folder", str(tmp_path / "c")]
-    probes = [
-        (["--data.path", str(tmp_path / "broken.jsonl")], f"{tmp_path / 'broken.jsonl'}:3: not a JSON record (Invalid "
-         "control character at, column 14)"),
-        (["--data.path", str(tmp_path / "latin")], f"{tmp_path / 'latin' / 'b.txt'}: the bytes at offset 3 (b'\\xe9 au'...) are not UTF-8"),
-        (["--data.path", str(tmp_path / "latin.jsonl")], f"{tmp_path / 'latin.jsonl'}: the bytes at offset "
-         f"{len(good) + 1 + 13} (b'\\xe9\"}}\\n'...) are not UTF-8"),
-        (["--data.path", str(tmp_path / "array.json")], f"{tmp_path / 'array.json'}:3: not valid JSON (Expecting value)"),
-        (["--data.path", str(tmp_path / "list.jsonl")], f"{tmp_path / 'list.jsonl'}:2 is a JSON list, not an object with a "
-         "'text' field"),
-        (["--data.path", str(tmp_path / "empty.jsonl")], "holds 0 training tokens (0 documents, 3 empty or null skipped"),
-        (["--data.path", str(tmp_path / "number.jsonl")], f"{tmp_path / 'number.jsonl'}:2: text is a int, not text"),
-        (["--data.path", str(tmp_path / "content.jsonl")], f"{tmp_path / 'content.jsonl'}:1 has no 'text' field (its "
-         "fields: content); name yours with data.text_field"),
-        (["--data.path", str(tmp_path / "content.jsonl"), "--data.text_field", "content"], None),
-        (["--data.path", str(tmp_path / "snap"), "--data.split", "validation"], "has no 'validation' split (its "
-         "splits: train, test); set data.split"),
-        (["--data.path", str(tmp_path / "content.jsonl"), "--data.text_field", "content", "--validation.path",
-          str(tmp_path / "snap")], "validation.path = " + repr(str(tmp_path / "snap")) + " has no 'validation' split"),
-        (["--data.path", str(tmp_path / "content.jsonl"), "--data.text_field", "content", "--data.cache_folder",
-          "/proc/nope"], "data.cache_folder = '/proc/nope' cannot hold the tokenized copy"),
-    ]
-    for argv, message in probes:
-        argv = ["--data.tokenizer", "bytes", *small, *argv]
-        if message is None:
-            train.config_or_exit(argv, train.launch_env())
-            continue
-        with pytest.raises(SystemExit) as exit:
-            train.config_or_exit(argv, train.launch_env())
-            pytest.fail(f"{argv} passed every check")
-        lines = capsys.readouterr().err.splitlines()
-        assert exit.value.code == 2 and len(lines) == 1 and message in lines[0], (argv, lines)
 
 
 def test_a_resume_into_changed_files_is_refused_in_one_line(tmp_path):

@@ -368,13 +368,74 @@ def test_each_data_problem_is_one_line_before_any_work(files, tmp_path, capsys, 
         assert exit.value.code == 2 and len(lines) == 1 and message in lines[0], (argv, lines)
 
 
+def test_each_bad_file_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    """Your text as users have it, through train.config_or_exit: exit 2 and one line naming the file and where."""
+    import train
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    good = json.dumps({"text": "a good document " * 40})
+    (tmp_path / "broken.jsonl").write_text(f"{good}\n{good}\n{{\"text\": \"cut\n{good}\n")
+    (tmp_path / "latin").mkdir()
+    (tmp_path / "latin" / "a.txt").write_text("plain text " * 50)
+    (tmp_path / "latin" / "b.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    (tmp_path / "latin.jsonl").write_bytes(f"{good}\n".encode() + '{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    (tmp_path / "array.json").write_text(f"[{good},\n{good},\n]")
+    (tmp_path / "list.jsonl").write_text(f"{good}\n[1, 2]\n")
+    (tmp_path / "empty.jsonl").write_text('{"text": ""}\n{"text": null}\n{"text": ""}\n')
+    (tmp_path / "number.jsonl").write_text(f'{good}\n{{"text": 12}}\n')
+    (tmp_path / "content.jsonl").write_text(json.dumps({"content": "text " * 100}) + "\n")
+    (tmp_path / "snap" / "data").mkdir(parents=True)
+    (tmp_path / "snap" / "data" / "train-00000-of-00001.jsonl").write_text(good + "\n")
+    (tmp_path / "snap" / "data" / "test-00000-of-00001.jsonl").write_text(good + "\n")
+    small = ["--training.local_batch_size", "2", "--training.seq_len", "64", "--data.cache_folder", str(tmp_path / "c")]
+    probes = [
+        (["--data.path", str(tmp_path / "broken.jsonl")], f"{tmp_path / 'broken.jsonl'}:3: not a JSON record (Invalid "
+         "control character at, column 14)"),
+        (["--data.path", str(tmp_path / "latin")], f"{tmp_path / 'latin' / 'b.txt'}: the bytes at offset 3 (b'\\xe9 au'...) are not UTF-8"),
+        (["--data.path", str(tmp_path / "latin.jsonl")], f"{tmp_path / 'latin.jsonl'}: the bytes at offset "
+         f"{len(good) + 1 + 13} (b'\\xe9\"}}\\n'...) are not UTF-8"),
+        (["--data.path", str(tmp_path / "array.json")], f"{tmp_path / 'array.json'}:3: not valid JSON (Expecting value)"),
+        (["--data.path", str(tmp_path / "list.jsonl")], f"{tmp_path / 'list.jsonl'}:2 is a JSON list, not an object with a "
+         "'text' field"),
+        (["--data.path", str(tmp_path / "empty.jsonl")], "holds 0 training tokens (0 documents, 3 empty or null skipped"),
+        (["--data.path", str(tmp_path / "number.jsonl")], f"{tmp_path / 'number.jsonl'}:2: text is a int, not text"),
+        (["--data.path", str(tmp_path / "content.jsonl")], f"{tmp_path / 'content.jsonl'}:1 has no 'text' field (its "
+         "fields: content); name yours with data.text_field"),
+        (["--data.path", str(tmp_path / "content.jsonl"), "--data.text_field", "content"], None),
+        (["--data.path", str(tmp_path / "snap"), "--data.split", "validation"], "has no 'validation' split (its "
+         "splits: train, test); set data.split"),
+        (["--data.path", str(tmp_path / "content.jsonl"), "--data.text_field", "content", "--validation.path",
+          str(tmp_path / "snap")], "validation.path = " + repr(str(tmp_path / "snap")) + " has no 'validation' split"),
+        (["--validation.path", str(tmp_path / "held.jsonl")], f"validation.path = {str(tmp_path / 'held.jsonl')!r} "
+         "needs data.path"),
+        (["--data.path", str(tmp_path / "content.jsonl"), "--data.text_field", "content", "--data.cache_folder",
+          "/proc/nope"], "data.cache_folder = '/proc/nope' cannot hold the tokenized copy"),
+    ]
+    for argv, message in probes:
+        argv = ["--data.tokenizer", "bytes", *small, *argv]
+        if message is None:
+            train.config_or_exit(argv, train.launch_env())
+            continue
+        with pytest.raises(SystemExit) as exit:
+            train.config_or_exit(argv, train.launch_env())
+            pytest.fail(f"{argv} passed every check")
+        lines = capsys.readouterr().err.splitlines()
+        assert exit.value.code == 2 and len(lines) == 1 and message in lines[0], (argv, lines)
+
+
+
 # a killed run resumes at the same document and token ------------------------------------------
 
 def test_a_run_killed_after_a_save_resumes_at_the_same_document_and_token(files, tmp_path):
     """TP 2, 6 steps over a corpus of fewer tokens (new shuffled epochs): kill -9 every process once step 3
-    is saved; the same command resumes from the saved token offset and gives the uninterrupted run's losses."""
+    is saved; the same command resumes from the saved token offset and gives the uninterrupted run's losses.
+    With a document added to the file since, the resume stops in one line (a data position is into the old ones)."""
+    docs = tmp_path / "few.jsonl"
+    docs.write_text(files["few"].read_text())
     args = [*STEPS, "--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.initial_load_in_hf", "true",
-            "--checkpoint.initial_load_path", str(files["llama2"]), "--data.path", str(files["few"])]
+            "--checkpoint.initial_load_path", str(files["llama2"]), "--data.path", str(docs),
+            "--data.cache_folder", str(tmp_path / "tokenized")]
     whole = _torchrun(*args, "--checkpoint.folder", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr[-3000:]
     tokens = int(re.search(r"data: 11 documents, ([\d,]+) tokens", whole.stdout).group(1).replace(",", ""))
@@ -392,6 +453,11 @@ def test_a_run_killed_after_a_save_resumes_at_the_same_document_and_token(files,
     again = _torchrun(*resumed)
     assert again.returncode == 0 and "checkpoint: loaded step 3" in again.stdout, again.stderr[-3000:]
     assert _losses(again.stdout) == pytest.approx(_losses(whole.stdout)[3:], abs=1e-6)
+    docs.write_text(docs.read_text() + json.dumps({"text": "one more document"}) + "\n")
+    changed = _torchrun(*resumed)
+    errors = [line for line in changed.stderr.splitlines() if line.startswith("error:")]
+    assert changed.returncode != 0 and len(errors) == 1 and "was written with data.tokenized = " in errors[0], \
+        changed.stderr[-3000:]
 
 
 def test_every_kind_of_data_path_gives_the_same_documents(files, tmp_path):

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,12 +64,11 @@ def fingerprint(source, field: str, tokenizer) -> str:
 
 def build(source, field: str, tokenizer, folder: Path) -> float:
     """Tokenize in batches of pieces, appending to tokens.bin; then starts.npy and meta.json, and the
-    folder renamed into place: a build cut short leaves no folder a later run would read."""
+    folder renamed into place: a build cut short leaves no folder a later run would read (only its .tmp-*)."""
     start, piece = time.perf_counter(), PIECE if cuts_cleanly(tokenizer) else None
     prefix, suffix = (np.array(ids, np.int64) for ids in special_tokens(tokenizer))
     dtype = np.uint16 if vocabulary_size(tokenizer) <= 1 << 16 else np.uint32
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = folder.with_name(f"{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}")  # its own, on a shared disk too
     tmp.mkdir()
     lengths, skipped, batch, chars = [], 0, [], 0  # batch: (piece, its document, its first piece?, last?)
     with open(tmp / "tokens.bin", "wb") as out:
@@ -95,7 +95,12 @@ def build(source, field: str, tokenizer, folder: Path) -> float:
     np.save(tmp / "starts.npy", np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
     (tmp / "meta.json").write_text(json.dumps({"dtype": np.dtype(dtype).name, "documents": len(lengths),
                                                "tokens": int(sum(lengths)), "skipped": skipped}))
-    os.replace(tmp, folder)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another node's build came first: the same ids
+        shutil.rmtree(tmp)
+        if not (folder / "meta.json").is_file():
+            raise
     return time.perf_counter() - start
 
 
