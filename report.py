@@ -41,7 +41,7 @@ def data_line(cfg: dict, corpus) -> str:
         return f"data: {len(corpus.train):,} train bytes, {len(corpus.held_out):,} held-out bytes of the Python stdlib"
     d, t, tokens = cfg["data"], cfg["training"], corpus.train.tokens
     held = corpus.held_out
-    built = f"tokenized in {tokens.built:.1f} s" if tokens.built is not None else "read from the tokenized copy"
+    built = f"tokenized in {tokens.built:.1f} s into" if tokens.built is not None else "read from the tokenized copy"
     return (f"data: {len(corpus.train):,} documents, {int(corpus.train.lengths().sum()):,} tokens of {d['path']} "
             f"({d['split']}; {tokens.skipped:,} empty or null skipped), {built} {d['cache_folder']}/{tokens.key} by "
             f"{corpus.source}'s tokenizer ({vocabulary_size(corpus.tokenizer):,} ids); held out: "

@@ -4,7 +4,6 @@ DatasetDict, another text field); shuffled epochs; a resume into changed files r
 test_documents.py's one-line inputs."""
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np

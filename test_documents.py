@@ -328,8 +328,6 @@ SMALL_BATCH = ("--training.local_batch_size", "2", "--training.seq_len", "64")
 
 def test_each_data_problem_is_one_line_before_any_work(files, tmp_path, capsys, monkeypatch):
     """Through train.config_or_exit (before any process group), exit 2 and one line naming the problem."""
-    import train
-
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     (tmp_path / "no-text.jsonl").write_text('{"body": "a document"}\n')
@@ -357,8 +355,17 @@ def test_each_data_problem_is_one_line_before_any_work(files, tmp_path, capsys, 
         (hf + [str(files["llama3"]), "--model.num_hidden_layers", "6", "--data.path", str(files["docs"])],
          f"--model.num_hidden_layers = 6, but {files['llama3']}/config.json has num_hidden_layers = 4 (as transformers reads it)"),
     ]
+    each_one_line(probes, capsys)
+
+
+def each_one_line(probes: list, capsys, before: tuple = ()) -> None:
+    """train.config_or_exit on `before` + each probe's arguments: exit 2 and one line holding its message
+    (None: every check passes)."""
+    import train
+
     for argv, message in probes:
-        if message is None:  # fits: the checks pass
+        argv = [*before, *argv]
+        if message is None:
             train.config_or_exit(argv, train.launch_env())
             continue
         with pytest.raises(SystemExit) as exit:
@@ -370,8 +377,6 @@ def test_each_data_problem_is_one_line_before_any_work(files, tmp_path, capsys, 
 
 def test_each_bad_file_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
     """Your text as users have it, through train.config_or_exit: exit 2 and one line naming the file and where."""
-    import train
-
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     good = json.dumps({"text": "a good document " * 40})
@@ -412,16 +417,7 @@ def test_each_bad_file_is_one_line_before_any_work(tmp_path, capsys, monkeypatch
         (["--data.path", str(tmp_path / "content.jsonl"), "--data.text_field", "content", "--data.cache_folder",
           "/proc/nope"], "data.cache_folder = '/proc/nope' cannot hold the tokenized copy"),
     ]
-    for argv, message in probes:
-        argv = ["--data.tokenizer", "bytes", *small, *argv]
-        if message is None:
-            train.config_or_exit(argv, train.launch_env())
-            continue
-        with pytest.raises(SystemExit) as exit:
-            train.config_or_exit(argv, train.launch_env())
-            pytest.fail(f"{argv} passed every check")
-        lines = capsys.readouterr().err.splitlines()
-        assert exit.value.code == 2 and len(lines) == 1 and message in lines[0], (argv, lines)
+    each_one_line(probes, capsys, before=("--data.tokenizer", "bytes", *small))
 
 
 

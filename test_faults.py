@@ -64,8 +64,8 @@ def test_resume_with_a_changed_model_or_lr_is_one_line(tmp_root, tmp_path, nproc
     out = _failed(nproc, [*_ckpt_args(folder), *EAGER, "--parallelism.dp_shard", str(dp_shard), *change])
     [line] = _our_lines(out, "error: ")
     assert line == (f"error: {folder / 'step-15'} was written with {message}: resume with the same [model], "
-                    "[optimizer], [lr_scheduler], training.seed, [data] documents and their dp_shard, or use "
-                    "another checkpoint.folder"), line
+                    "[optimizer], [lr_scheduler], training.seed and [data] (data.tokenized: its files and tokenizer, "
+                    "unchanged), or use another checkpoint.folder"), line
     assert "step " not in out.split(line)[0] and "Size mismatch" not in out, out[-3000:]
     _no_traceback_from_the_ranks(out)
 
