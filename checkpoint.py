@@ -160,6 +160,14 @@ def prune(folder: Path, newest: int, keep_latest_k: int) -> list[str]:
     return [p.name for p in stale]
 
 
+def loads_weights(cfg: dict) -> bool:
+    """Whether resume will load every weight (a complete checkpoint, or initial_load_path): then the build
+    need not draw them (pytorch/torchtitan#628 discussed the same)."""
+    c = cfg["checkpoint"]
+    return c["enable"] and bool(c["initial_load_path"] or decided_on_rank0(
+        lambda: latest_complete(Path(c["folder"]), log=lambda *_: None)))
+
+
 def resume(cfg: dict, model, optimizer, scheduler, position, log) -> int:
     """Load the latest complete checkpoint in `folder` and return its step; without one,
     load `initial_load_path`'s weights (or nothing) and return 0."""

@@ -120,6 +120,15 @@ def failure_on_any_rank(work, path: Path) -> str | None:
     return next((f for f in failures if f), None)
 
 
+def keep_source_keys(written: Path, source: Path) -> None:
+    """The source's config.json keys that transformers 5 no longer writes (rope_theta, rope_scaling,
+    torch_dtype) beside its own: transformers <= 4.57 reads a Llama 3 export without them as RoPE theta
+    10,000 and no llama3 scaling, a different model with no error. transformers 5 reads it the same."""
+    ours = json.loads(written.read_text())
+    theirs = {key: value for key, value in json.loads(source.read_text()).items() if key not in ours}
+    written.write_text(json.dumps({**ours, **theirs}, indent=2, sort_keys=True) + "\n")
+
+
 def finish_hf_folder(tmp: Path, path: Path, files: dict, size: int, config, source: Path | None, tokenizer) -> None:
     """Rank 0, once the safetensors are joined: their index (for several), config.json, the source's
     generation_config.json (or one from config), the tokenizer's files; then the folder renamed to `path`."""
@@ -130,6 +139,8 @@ def finish_hf_folder(tmp: Path, path: Path, files: dict, size: int, config, sour
         index = {"metadata": {"total_size": size}, "weight_map": {t: hub_file_name(n, files) for t, n in files.items()}}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config.save_pretrained(tmp)
+    if source:
+        keep_source_keys(tmp / "config.json", source / "config.json")
     if source and (source / "generation_config.json").is_file():
         shutil.copyfile(source / "generation_config.json", tmp / "generation_config.json")
     else:

@@ -64,27 +64,37 @@ class Weight:
 
 
 @torch.no_grad()
-def materialize(model, ops, device: torch.device, seed: int) -> None:
+def materialize(model, ops, device: torch.device, seed: int, draw: bool = True) -> None:
     """Storage for this rank's shards on `device`, filled as `torch.manual_seed(seed)` and the build on
-    a real device would fill them; buffers by HF's `_init_weights` (rotary's inv_freq)."""
+    a real device would fill them; with `draw` False left for a load to fill (a checkpoint, an HF folder):
+    no random number, no full-size tensor. Buffers by HF's `_init_weights` (rotary's inv_freq)."""
     model.to_empty(device=device)
-    last = {id(weight): i for i, (_, weight, *_) in enumerate(ops) if weight is not None}
-    torch.manual_seed(seed)
-    for i, (func, weight, shape, dtype, args, kwargs) in enumerate(ops):
-        if func is torch.ops.aten.copy_.default:  # into a buffer from a meta source: computed again below
-            continue
-        full = torch.empty(shape, dtype=dtype)  # one parameter at a time, on the host: the generator's stream
-        func(full, *args, **kwargs)
-        if weight is not None and last[id(weight)] == i:
-            param = getattr(*weight.owners[0])
-            for module, attr in weight.owners[1:]:  # to_empty gives a plain tied parameter two copies
-                setattr(module, attr, param)
-            local(param).copy_(full[piece(shape, param)])
+    for weight in {id(weight): weight for _, weight, *_ in ops if weight is not None}.values():
+        param = getattr(*weight.owners[0])
+        for module, attr in weight.owners[1:]:  # to_empty gives a plain tied parameter two copies
+            setattr(module, attr, param)
+    if draw:
+        replay_init(ops, seed)
     for module in model.modules():
         if next(module.buffers(recurse=False), None) is not None:
             if next(module.parameters(recurse=False), None) is not None:
                 raise RuntimeError(f"{type(module).__name__} has parameters and buffers: its _init_weights would draw again")
             model._init_weights(module)
+
+
+def replay_init(ops, seed: int) -> None:
+    """The build's init ops in order, from `seed`, each on one full-size host tensor (the generator's
+    stream), of which each parameter keeps this rank's piece."""
+    last = {id(weight): i for i, (_, weight, *_) in enumerate(ops) if weight is not None}
+    torch.manual_seed(seed)
+    for i, (func, weight, shape, dtype, args, kwargs) in enumerate(ops):
+        if func is torch.ops.aten.copy_.default:  # into a buffer from a meta source: computed again below
+            continue
+        full = torch.empty(shape, dtype=dtype)
+        func(full, *args, **kwargs)
+        if weight is not None and last[id(weight)] == i:
+            param = getattr(*weight.owners[0])
+            local(param).copy_(full[piece(shape, param)])
 
 
 def hf_folder_mismatch(path: Path, model_cfg: dict) -> str | None:

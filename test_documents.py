@@ -107,9 +107,10 @@ def test_a_hub_folder_trains_on_your_documents_with_transformers_loss(files, hub
 
 def test_the_export_is_the_source_folder_with_the_trained_weights(files, hub_run):
     """From the bfloat16, tied Llama 3 folder on dp_shard 2 x tp 2: step-2-hf/ loads in stock
-    transformers with the source's config (bos/eos, RoPE), generation config and tokenizer; every
-    weight is the trained float32 one (the DCP checkpoint's) cast to bfloat16, so the logits and
-    what generate writes are those of the trained model cast; the 16 MB embedding is a file alone."""
+    transformers with the source's config (bos/eos, RoPE; every key of its config.json, as older
+    transformers read them), generation config and tokenizer; every weight is the trained float32
+    one (the DCP checkpoint's) cast to bfloat16, so the logits and what generate writes are those of
+    the trained model cast; the 16 MB embedding is a file alone."""
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -125,6 +126,10 @@ def test_the_export_is_the_source_folder_with_the_trained_weights(files, hub_run
             assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}, name
     config = lambda folder: {**AutoConfig.from_pretrained(folder).to_dict(), "_name_or_path": None}  # noqa: E731
     assert config(export) == config(source)
+    raw = lambda folder: {k: v for k, v in json.loads((folder / "config.json").read_text()).items()  # noqa: E731
+                          if k not in ("dtype", "architectures", "transformers_version")}
+    assert {"rope_theta", "rope_scaling", "torch_dtype"} <= raw(source).keys()  # transformers 4's keys
+    assert raw(export).items() >= raw(source).items(), "transformers <= 4.57 would read another RoPE"
     assert json.loads((export / "generation_config.json").read_text()) == \
         json.loads((source / "generation_config.json").read_text())
     tokenizer, source_tokenizer = AutoTokenizer.from_pretrained(export), AutoTokenizer.from_pretrained(source)

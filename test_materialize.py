@@ -37,11 +37,12 @@ def test_the_meta_build_gives_the_weights_and_buffers_a_seeded_one_process_build
 
 
 class LargestCopy(TorchDispatchMode):
-    """The most elements any op copies or communicates (views of a mapped file are neither)."""
+    """The most elements any op copies or communicates (views of a mapped file are neither); with
+    `made`, also any tensor a factory op makes (torch.empty's, which the init replay fills)."""
 
-    def __init__(self):
+    def __init__(self, made: bool = False):
         super().__init__()
-        self.numel = 0
+        self.numel, self.made = 0, made
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -49,14 +50,17 @@ class LargestCopy(TorchDispatchMode):
             moved = tree_leaves((args, kwargs))
         elif func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default, torch.ops.aten.clone.default):
             moved = tree_leaves(out)
+        elif self.made and not any(isinstance(t, torch.Tensor) for t in tree_leaves((args, kwargs))):  # a factory
+            moved = tree_leaves(out)
         else:
             moved = []
-        self.numel = max([self.numel, *(t.numel() for t in moved if isinstance(t, torch.Tensor))])
+        self.numel = max([self.numel, *(t.numel() for t in moved if isinstance(t, torch.Tensor) and not t.is_meta)])
         return out
 
 
 def _set_up_main(rank: int, port: int, hf_folder: str, out: str) -> None:
-    """TP 2: set-up, an HF load, then an HF export, each with this rank's peak memory above what it held before."""
+    """TP 2: set-up, an HF load, then an HF export, each with this rank's peak memory above what it held before;
+    a set-up without the init replay and the same load: the largest copy, whether it drew, what differs."""
     import torch.distributed as dist
 
     import parallelize
@@ -77,19 +81,30 @@ def _set_up_main(rank: int, port: int, hf_folder: str, out: str) -> None:
     with safe_open(Path(hf_folder) / "model.safetensors", framework="pt") as f:
         wrong = [n for n, p in model.named_parameters()
                  if not torch.equal(local(p), f.get_tensor(hf_name(n))[piece(tuple(p.shape), p)])]
+    rng = torch.manual_seed(12345).get_state()  # not the state the seeded build left
+    with LargestCopy(made=True) as no_draw:  # a build that a load fills: no init replay
+        loaded, *_ = train.build_training(cfg, torch.device("cpu"), dims, draw=False)
+        load_hf(loaded, Path(hf_folder))
+    drew = not torch.equal(rng, torch.random.get_rng_state())
+    differ = [n for (n, a), (_, b) in zip([*model.named_parameters(), *model.named_buffers()],
+                                          [*loaded.named_parameters(), *loaded.named_buffers()], strict=True)
+              if not torch.equal(local(a), local(b))]
     export_cfg = {**cfg, "checkpoint": {**cfg["checkpoint"], "folder": str(Path(out).parent / "ckpt")}}
     _, export = peak_anonymous_memory_above_now(lambda: save_hf(export_cfg, 1, model, "bytes", lambda line: None))
     shards = sum(local(p).numel() * 4 for p in model.parameters())
     largest = max(p.numel() * 4 for p in model.parameters())
     largest_shard = max(local(p).numel() for p in model.parameters())
     if rank == 0:
-        Path(out).write_text(json.dumps(dict(set_up=set_up, hf_load=hf_load.numel, largest_shard=largest_shard, export=export,
+        Path(out).write_text(json.dumps(dict(set_up=set_up, hf_load=hf_load.numel, no_draw=no_draw.numel, drew=drew,
+                                             differ=differ, largest_shard=largest_shard, export=export,
                                              shards=shards, largest=largest,
                                              full=sum(p.numel() * 4 for p in model.parameters()), wrong=wrong)))
     dist.destroy_process_group()
 
 
 def test_on_tp_2_no_rank_holds_the_whole_model_in_set_up_hf_load_or_export(tmp_path):
+    """Also a build that the HF load fills (train.build_training's draw=False, as for a folder or a
+    checkpoint): it copies nothing larger than a shard and draws no random number."""
     cfg = small_config(**BIG)
     torch.manual_seed(1)
     build_model(cfg["model"]).save_pretrained(tmp_path / "hf")
@@ -102,6 +117,8 @@ def test_on_tp_2_no_rank_holds_the_whole_model_in_set_up_hf_load_or_export(tmp_p
     assert m["set_up"] < 1.25 * (m["shards"] + m["largest"]) < m["full"], mib
     # The HF load copies each tensor's slices into the shards: nothing larger is copied or sent.
     assert m["hf_load"] <= m["largest_shard"], (m["hf_load"], m["largest_shard"])
+    # A build the load fills replays no init: no full-size host tensor, no random number, the same model.
+    assert m["no_draw"] <= m["largest_shard"] and not m["drew"] and not m["differ"], m
     # The export serialises a rank's piece of one file, then joins whole tensors one at a time.
     assert m["export"] < 1.25 * max(m["shards"], m["largest"]) < m["full"], {**mib, "export": m["export"] >> 20}
 

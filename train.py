@@ -62,7 +62,7 @@ def main() -> None:
 
         log(report.data_line(cfg, corpus))
         data, position = training_batches(corpus, cfg, dp_mesh)  # position: what a checkpoint saves
-        model, optimizer, scheduler = build_training(cfg, device, parallel_dims)
+        model, optimizer, scheduler = build_training(cfg, device, parallel_dims, draw=not checkpoint.loads_weights(cfg))
         start_step = checkpoint.resume(cfg, model, optimizer, scheduler, position, log) if ckpt["enable"] else 0
         if start_step >= t["steps"]:
             log(f"checkpoint: step {start_step} is the last of training.steps = {t['steps']}; nothing to train")
@@ -149,12 +149,13 @@ def init_distributed(launch: Launch, timeout_s: int) -> torch.device:
 # -----------------------------------------------------------------------------
 # the model, its optimizer and one step
 
-def build_training(cfg: dict, device: torch.device, parallel_dims=None):
+def build_training(cfg: dict, device: torch.device, parallel_dims=None, draw: bool = True):
     """The model built on meta, parallelized over `parallel_dims` (None: one process), then each rank's
-    shards filled with the weights one seeded process builds (materialize.py); optimizer, LR schedule."""
+    shards filled with the weights one seeded process builds (materialize.py), unless a load will fill
+    them (`draw` False); optimizer, LR schedule."""
     model, init_ops = build_on_meta(lambda: build_model(cfg["model"], cfg["parallelism"]["decoder_layer"]))
     parallelize(model, parallel_dims, cfg)
-    materialize(model, init_ops, device, cfg["training"]["seed"])
+    materialize(model, init_ops, device, cfg["training"]["seed"], draw)
     model.train()
     return model, *build_optimizer(model, cfg)
 
