@@ -13,8 +13,8 @@ from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.tools.utils import get_peak_flops
 
 from config import global_batch_size
-from tokens import vocabulary_size
 from parallelize import bfloat16_by
+from tokens import vocabulary_size
 
 
 def mesh_name(cfg: dict) -> str:
