@@ -1,6 +1,7 @@
 """config.toml and `--section.key value` overrides: every key, its type, and the checks on it,
 all made before any process group starts, so a bad value stops the run with one line."""
 
+import csv
 import logging
 import math
 import os
@@ -10,12 +11,13 @@ from pathlib import Path
 
 import torch
 from torch._dynamo import list_backends
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from checkpoint import MARKER, checkpoint_state
 from materialize import hf_folder_mismatch
-from model import DECODER_LAYERS, hf_config
+from model import DECODER_LAYERS, build_model, hf_config
 
 SCHEMA = {  # every key and its type, in config.toml's order
     "model": dict(hidden_size=int, num_hidden_layers=int, num_attention_heads=int, num_key_value_heads=int,
@@ -95,53 +97,79 @@ def load_config(path: str, world_size: int, overrides: dict[str, object] | None 
             table = table.setdefault(name, {})
             require(isinstance(table, dict), f"--{dotted}: {name} is not a table")
         table[key] = value  # an unknown name fails validation like the file's
-    validate(cfg, world_size, overrides)
+    read_hf_folder(cfg, overrides or {})
+    validate(cfg, world_size)
     return cfg
 
 
-def model_from_hf_folder(path: Path, model: dict, overrides: dict) -> dict:
-    """[model] as transformers reads the folder's config.json (legacy rope_scaling and rope_theta
-    too); the file's attn_implementation, which no weight depends on. A command-line --model.key
-    that disagrees with the folder is an error, not a silent choice."""
-    name = f"checkpoint.initial_load_path = {str(path)!r}"
+def read_hf_folder(cfg: dict, overrides: dict) -> None:
+    """With checkpoint.initial_load_in_hf, [model] becomes the folder's config.json as transformers reads it
+    (legacy rope_scaling and rope_theta too), its model_type naming the family, with [model]'s
+    attn_implementation, which no weight depends on. A family other than Llama trains by recipe B. A family
+    reach.csv does not record correct, or a --model.key that disagrees with the folder, is an error."""
+    c = cfg.get("checkpoint", {})
+    if not (c.get("enable") is True and c.get("initial_load_in_hf") is True and c.get("initial_load_path")):
+        return
+    path, name = Path(c["initial_load_path"]), f"checkpoint.initial_load_path = {c['initial_load_path']!r}"
     try:
-        raw, _ = LlamaConfig.get_config_dict(path)
-        config = LlamaConfig.from_dict(raw)
+        config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{name}: transformers cannot read its config.json: {str(e).strip().splitlines()[0]}") from None
-    require(raw.get("model_type") == "llama", f"{name} holds a {raw.get('model_type')!r} model, not a Llama")
-    # What [model] has no key for: LlamaConfig's defaults, which every Llama on the Hub keeps.
-    built = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
-             "head_dim": config.hidden_size // config.num_attention_heads}
-    for key, value in built.items():
-        require(getattr(config, key) == value, f"{name} has {key} = {getattr(config, key)!r}; this trainer's Llama "
-                f"has {key} = {value!r}")
-    found = {key: getattr(config, key) for key in SCHEMA["model"] if key != "attn_implementation"}
-    found["attn_implementation"] = model.get("attn_implementation", "sdpa")
+    if problem := family_problem(config):
+        raise ConfigError(f"{name} holds a {config.model_type!r} model, {problem}")
+    found = {key: value for key, value in config.to_dict().items() if key not in ("_name_or_path", "transformers_version")}
+    attention = cfg.get("model", {}).get("attn_implementation", "sdpa")  # eager where HF has no SDPA (gemma2)
+    found["attn_implementation"] = "eager" if not MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa else attention
     for dotted, value in overrides.items():
-        have = found
+        have = {"model": found}
         for key in dotted.split("."):
             have = have.get(key) if isinstance(have, dict) else None
-        require(dotted == "attn_implementation" or have == value, f"--model.{dotted} = {value!r}, but {path}/config.json "
-                f"has {dotted} = {have!r} (as transformers reads it): [model] comes from the folder")
-    return found
+        require(not dotted.startswith("model.") or dotted == "model.attn_implementation" or have == value,
+                f"--{dotted} = {value!r}, but {path}/config.json has {dotted[6:]} = {have!r} (as transformers reads it): "
+                "[model] comes from the folder")
+    cfg["model"] = found
+    if config.model_type != "llama":  # recipe B: HF's own layer, attention's input gathered at its norm's output
+        for key, value in RECIPE_B.items():
+            require(overrides.get(f"parallelism.{key}", value) == value, f"parallelism.{key} = {overrides.get(f'parallelism.{key}')!r}"
+                    f": a {config.model_type!r} model trains by recipe B, with parallelism.{key} = {value!r}")
+        cfg.setdefault("parallelism", {}).update(RECIPE_B)
 
 
-def validate(cfg: dict, world_size: int, overrides: dict | None = None) -> None:
+RECIPE_B = {"decoder_layer": "stock", "attention_gather": "norm_output"}
+REACH = Path(__file__).with_name("reach.csv")  # reach.py's verdicts per family and torch
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")  # reach.py's
+
+
+def family_problem(config) -> str | None:
+    """Why recipe B cannot train this config's family, from reach.csv's verdict on this torch (on the
+    pinned 2.15.0 where it has none for this one); None where it matches one process per parameter.
+    A variant (`phi3+mha`: as many key/value heads as heads) is the row its config fits."""
+    rows = list(csv.DictReader(REACH.open()))
+    rows = [r for r in rows if r["torch"] == torch.__version__.split("+")[0]] or [r for r in rows if r["torch"] == "2.15.0"]
+    verdicts, family = {r["family"]: r for r in rows if not r["window"]}, config.model_type
+    fits = lambda flag: config.num_key_value_heads == config.num_attention_heads if flag == "mha" else getattr(config, flag, False)  # noqa: E731
+    row = next((r for f, r in verdicts.items() if f.startswith(family + "+") and fits(f.split("+")[1])), verdicts.get(family))
+    if row is None:
+        moe = any((getattr(config, key, 0) or 0) > 1 for key in MOE_KEYS)
+        return ("a mixture of experts: recipe B's plan shards dense MLPs" if moe else "which recipe B has not been tried on") \
+            + " (reach.csv, RESULTS.md's \"Recipe B's reach\")"
+    if not row["verdict"].startswith("correct"):
+        return f"which reach.csv records as {row['verdict']} on torch {row['torch']}: {row['error']}"
+    return None
+
+
+def validate(cfg: dict, world_size: int) -> None:
     """Raise ConfigError naming the first field that breaks a rule, section by section, in
-    SCHEMA's order; resolve a -1 parallelism degree and data.tokenizer's ""; [model] from an HF folder, which the
-    command line's `overrides` must agree with. Nothing is written."""
-    c = cfg.get("checkpoint", {})
-    if c.get("enable") is True and c.get("initial_load_in_hf") is True and c.get("initial_load_path"):
-        cfg["model"] = model_from_hf_folder(Path(c["initial_load_path"]), cfg.get("model", {}), {
-            name.split(".", 1)[1]: value for name, value in (overrides or {}).items() if name.startswith("model.")})
-    check_table(cfg, SCHEMA)
+    SCHEMA's order; resolve a -1 parallelism degree and data.tokenizer's "". [model] is config.toml's
+    Llama keys, or an HF folder's config (read_hf_folder: any keys, its model_type). Nothing is written."""
+    check_table(cfg, {**SCHEMA, "model": dict} if "model_type" in cfg.get("model", {}) else SCHEMA)
     check_model(cfg["model"])
     check_training(cfg["training"], cfg["model"])
     check_optimizer(cfg["optimizer"], cfg["lr_scheduler"])
     check_parallelism(cfg, world_size)
     check_activation_checkpoint(cfg["activation_checkpoint"])
     check_compile(cfg["compile"])
+    c = cfg["checkpoint"]
     if not cfg["data"]["tokenizer"] and c["initial_load_in_hf"]:  # the HF folder's tokenizer
         cfg["data"]["tokenizer"] = c["initial_load_path"]
     require(cfg["data"]["max_bytes"] >= 1_000_000, f"data.max_bytes = {cfg['data']['max_bytes']} must be >= 1000000")
@@ -183,14 +211,15 @@ def check_model(m: dict) -> None:
                      "intermediate_size", "vocab_size", "max_position_embeddings")
     for a, b in (("hidden_size", "num_attention_heads"), ("num_attention_heads", "num_key_value_heads")):
         require(m[a] % m[b] == 0, f"model.{a} = {m[a]} must be divisible by model.{b} = {m[b]}")
-    rope, types = m["rope_parameters"], ["default", *ROPE_INIT_FUNCTIONS]
-    require(rope.get("rope_type") in types, f"model.rope_parameters.rope_type = {rope.get('rope_type')!r} must be one "
-            f"of transformers' {types}")
-    theta = rope.get("rope_theta")
-    require(type(theta) in (int, float) and math.isfinite(theta) and theta > 0,
-            f"model.rope_parameters.rope_theta = {theta} must be finite and > 0")
-    if problem := rope_problem(m):
-        raise ConfigError(f"model.rope_parameters = {rope}: {problem}")
+    if "model_type" not in m:  # config.toml's Llama keys; transformers has read a folder's RoPE
+        rope, types = m["rope_parameters"], ["default", *ROPE_INIT_FUNCTIONS]
+        require(rope.get("rope_type") in types, f"model.rope_parameters.rope_type = {rope.get('rope_type')!r} must be "
+                f"one of transformers' {types}")
+        theta = rope.get("rope_theta")
+        require(type(theta) in (int, float) and math.isfinite(theta) and theta > 0,
+                f"model.rope_parameters.rope_theta = {theta} must be finite and > 0")
+        if problem := rope_problem(m):
+            raise ConfigError(f"model.rope_parameters = {rope}: {problem}")
     require(m["attn_implementation"] != "flex_attention", "model.attn_implementation = 'flex_attention' is refused: "
             "torch 2.15 has no FlexAttention backward on CPU, and it has not trained on a GPU here; use 'sdpa'")
     require(m["attn_implementation"] in ("sdpa", "eager"),
@@ -394,9 +423,9 @@ def peak_per_rank(cfg: dict) -> dict[str, float]:
 
 
 def count_parameters(model_cfg: dict) -> tuple[int, int]:
-    """LlamaForCausalLM's parameter count for [model], and its largest FSDP group's (a block, or
+    """The parameter count of [model]'s `*ForCausalLM`, and its largest FSDP group's (a block, or
     the final norm with lm_head), built on the meta device (no memory)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config(model_cfg))
+        model = build_model(model_cfg)
     count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
     return count(model), max(count(model.model.layers[0]), count(model.model.norm) + count(model.lm_head))

@@ -42,12 +42,12 @@ def small_config(**overrides) -> dict:
     return cfg
 
 
-def build_family(family: str, model_cfg: dict, kv_heads: int = 8, window: int | None = None):
+def build_family(family: str, model_cfg: dict, kv_heads: int = 8, window: int | None = None, **config):
     """A randomly initialised `*ForCausalLM` of `family` (a transformers model_type) with
     [model]'s sizes, from the family's own config class; `window`: its sliding window, switched on
     (qwen2's use_sliding_window) in the upper half of the blocks where the family lets it choose.
     Variants after "+": "mha" (as many key/value heads as heads), or a config flag set True
-    ("stablelm+qk_layernorm")."""
+    ("stablelm+qk_layernorm"); `config`: other config keys."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     family, *variants = family.split("+")
@@ -57,7 +57,7 @@ def build_family(family: str, model_cfg: dict, kv_heads: int = 8, window: int | 
                  num_hidden_layers=model_cfg["num_hidden_layers"], num_attention_heads=heads,
                  num_key_value_heads=kv_heads, head_dim=model_cfg["hidden_size"] // heads,
                  vocab_size=model_cfg["vocab_size"], pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                 use_cache=False, tie_word_embeddings=False)
+                 use_cache=False, tie_word_embeddings=False) | config
     sizes.update({flag: True for flag in variants if flag != "mha"})  # "gemma3_text+tie_word_embeddings"
     if window:
         sizes.update(sliding_window=window, use_sliding_window=True, max_window_layers=model_cfg["num_hidden_layers"] // 2)
@@ -278,6 +278,16 @@ def make_hub_llama(folder: Path, kind: str, seed: int = 0) -> Path:
     generation = {"bos_token_id": hub["bos_token_id"], "eos_token_id": hub["eos_token_id"], "do_sample": True,
                   "temperature": 0.6, "top_p": 0.9}  # Llama 3.2's sampling, not what transformers makes from config.json
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return folder
+
+
+def make_hub_family(folder: Path, family: str, window: int | None = None, seed: int = 0) -> Path:
+    """A randomly initialised `family` at the tests' sizes (build_family, `window` in its upper half) as
+    stock transformers' save_pretrained writes it, in bfloat16, with make_tokenizer's BOS and EOS (no
+    padding id: its embedding row would be zeros, and a norm of zeros has an infinite gradient)."""
+    torch.manual_seed(seed)
+    model = build_family(family, small_config()["model"], window=window, pad_token_id=None, bos_token_id=0, eos_token_id=1)
+    model.to(torch.bfloat16).save_pretrained(folder)
     return folder
 
 

@@ -38,23 +38,24 @@ def save_hf(cfg: dict, step: int, model, tokenizer, log) -> None:
     weights = {name: w.detach().to(config.dtype) for name, w in weights.items()}
     files = hub_files(weights, cfg["checkpoint"]["hf_max_shard_mb"] * 10**6)
     size = sum(w.numel() * w.element_size() for w in weights.values())
-    steps = (lambda: is_rank0() and remove(tmp),  # an unfinished export's, or a stray file
-             lambda: dcp.save(weights, storage_writer=HuggingFaceStorageWriter(  # a file per Hub file: one at a time
-                 str(tmp / "sharded"), fqn_to_index_mapping=files, save_distributed=True)),
-             lambda: join_shards(tmp, files),
-             lambda: is_rank0() and finish_hf_folder(tmp, path, files, size, config, source, tokenizer))
-    if failure := next((f for work in steps if (f := failure_on_any_rank(work, tmp))), None):
+    try:  # each step on every rank, then every rank hears of any rank's failure
+        on_every_rank(tmp, remove, tmp, rank0_only=True)  # an unfinished export's, or a stray file
+        on_every_rank(tmp, dcp.save, weights, storage_writer=HuggingFaceStorageWriter(  # a file per Hub file
+            str(tmp / "sharded"), fqn_to_index_mapping=files, save_distributed=True))
+        on_every_rank(tmp, join_shards, tmp, files)
+        on_every_rank(tmp, finish_hf_folder, tmp, path, files, size, config, source, tokenizer, rank0_only=True)
+    except ExportFailed as failure:
         if is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"step {step}: writing the HF weights to {path} failed: {failure}; "
-                              f"{path.with_name(f'step-{step}')} is complete")
+                              f"{path.with_name(f'step-{step}')} is complete") from None
     set_comm_timeout(cfg["comm"]["train_timeout_seconds"])
     log(f"checkpoint: wrote the HF weights of step {step} to {path} ({max(files.values())} file(s), "
         f"{str(config.dtype).removeprefix('torch.')}) in {time.perf_counter() - start:.1f} s")
 
 
 def export_config(cfg: dict, tokenizer):
-    """(LlamaConfig, source folder or None): the source's config.json as transformers reads it (bos/eos,
+    """(transformers config, source folder or None): the source's config.json as transformers reads it (bos/eos,
     RoPE: all that is not trained) with its weights' dtype; without one, [model]'s in float32, with
     the tokenizer's bos/eos."""
     from safetensors import safe_open
@@ -95,7 +96,7 @@ def join_shards(tmp: Path, files: dict[str, int]) -> None:
     """This rank's share of the Hub's files (every world-size-th), each tensor joined from every rank's
     shards in tmp/sharded. Not torch's consolidate_safetensors_files_on_every_rank: it writes no index on
     torch 2.10 (pytorch/torchtitan#2137) and on 2.15 only with a process group, and a rank whose write
-    fails leaves the others in its barrier until the timeout; here every rank hears of it (failure_on_any_rank)."""
+    fails leaves the others in its barrier until the timeout; here every rank hears of it (on_every_rank)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     mine = {tensor: hub_file_name(n, files) for tensor, n in files.items() if (n - 1) % world == rank}
     if mine:
@@ -106,10 +107,16 @@ def remove(path: Path) -> None:
     shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
 
-def failure_on_any_rank(work, path: Path) -> str | None:
-    """work() on every rank, then the first rank's failure in words (why_save_failed), on every rank."""
+class ExportFailed(RuntimeError):
+    pass
+
+
+def on_every_rank(path: Path, work, *args, rank0_only: bool = False, **kwargs) -> None:
+    """work(*args, **kwargs) on every rank (on rank 0 alone with `rank0_only`); then on every rank,
+    ExportFailed with the first rank's failure in words (why_save_failed), if any rank failed."""
     try:
-        work()
+        if is_rank0() or not rank0_only:
+            work(*args, **kwargs)
         failure = None
     except (OSError, CheckpointException) as e:  # DCP's raises on every rank
         failure = why_save_failed(e, path)
@@ -117,7 +124,8 @@ def failure_on_any_rank(work, path: Path) -> str | None:
     if dist.is_initialized():
         failures = [None] * dist.get_world_size()
         dist.all_gather_object(failures, failure)
-    return next((f for f in failures if f), None)
+    if failure := next((f for f in failures if f), None):
+        raise ExportFailed(failure)
 
 
 def keep_source_keys(written: Path, source: Path) -> None:

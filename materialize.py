@@ -14,10 +14,9 @@ import transformers.modeling_utils
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import LlamaForCausalLM
 
 from family_plan import fused_placements
-from model import hf_config
+from model import build_model
 
 
 class InitOps(TorchDispatchMode):
@@ -45,11 +44,11 @@ def build_on_meta(build):
     for module_name, module in model.named_modules():
         for attr, p in ((a, p) for a, p in module._parameters.items() if p is not None):
             weights.setdefault(id(p), Weight(f"{module_name}.{attr}".lstrip("."), [])).owners.append((module, attr))
-    for func, target, *_ in recorded.ops:
-        if target._base is not None and id(target._base) in weights:
-            raise RuntimeError(f"the build initialises a view of {weights[id(target._base)].name}: not replayed")
+    for func, target, *_ in recorded.ops:  # what replay_init could not give; a load fills them all
+        if target._base is not None and id(target._base) in weights:  # a padding_idx row
+            weights[id(target._base)].unreplayable = "the build initialises a view of it"
         if func is torch.ops.aten.copy_.default and id(target) in weights:  # its source is on meta: lost
-            raise RuntimeError(f"the build copies into {weights[id(target)].name}: not replayed")
+            weights[id(target)].unreplayable = "the build copies into it"
     missing = set(weights) - {id(target) for _, target, *_ in recorded.ops}
     if missing:
         raise RuntimeError(f"the build ran no init op on {', '.join(weights[i].name for i in missing)}")
@@ -61,6 +60,7 @@ def build_on_meta(build):
 class Weight:
     name: str
     owners: list  # (module, attribute): two for a tied weight
+    unreplayable: str | None = None  # why replay_init cannot give it
 
 
 @torch.no_grad()
@@ -77,8 +77,8 @@ def materialize(model, ops, device: torch.device, seed: int, draw: bool = True) 
         replay_init(ops, seed)
     for module in model.modules():
         if next(module.buffers(recurse=False), None) is not None:
-            if next(module.parameters(recurse=False), None) is not None:
-                raise RuntimeError(f"{type(module).__name__} has parameters and buffers: its _init_weights would draw again")
+            for param in module.parameters(recurse=False):  # gemma's scaled embedding: its init skips them
+                param._is_hf_initialized = True
             model._init_weights(module)
 
 
@@ -86,6 +86,8 @@ def replay_init(ops, seed: int) -> None:
     """The build's init ops in order, from `seed`, each on one full-size host tensor (the generator's
     stream), of which each parameter keeps this rank's piece."""
     last = {id(weight): i for i, (_, weight, *_) in enumerate(ops) if weight is not None}
+    if lost := next((weight for _, weight, *_ in ops if weight is not None and weight.unreplayable), None):
+        raise RuntimeError(f"{lost.name}: {lost.unreplayable}, not replayed; start from a folder or a checkpoint")
     torch.manual_seed(seed)
     for i, (func, weight, shape, dtype, args, kwargs) in enumerate(ops):
         if func is torch.ops.aten.copy_.default:  # into a buffer from a meta source: computed again below
@@ -103,7 +105,7 @@ def hf_folder_mismatch(path: Path, model_cfg: dict) -> str | None:
     from safetensors import safe_open
 
     with torch.device("meta"):
-        want = {k: list(v.shape) for k, v in LlamaForCausalLM(hf_config(model_cfg)).state_dict().items()
+        want = {k: list(v.shape) for k, v in build_model(model_cfg).state_dict().items()
                 if not (k == "lm_head.weight" and model_cfg["tie_word_embeddings"])}
     have = {}
     files = sorted(path.glob("*.safetensors"))

@@ -7,8 +7,9 @@ one recompile per block (pytorch/pytorch#170110, fixed by #172519 in 2.11).
 """
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.utils.deprecation import deprecate_kwarg
 
@@ -56,19 +57,25 @@ class PositionalLlamaDecoderLayer(LlamaDecoderLayer):
 DECODER_LAYERS = {"positional": PositionalLlamaDecoderLayer, "stock": LlamaDecoderLayer}
 
 
-def hf_config(model_cfg: dict) -> LlamaConfig:
-    """[model] as transformers' `LlamaConfig`: for the model, its parameter count and the HF export."""
+def hf_config(model_cfg: dict) -> PretrainedConfig:
+    """[model] as its transformers config: config.toml's Llama keys, or an HF folder's whole config.json
+    with its model_type (config.read_hf_folder). For the model, its parameter count and the HF export."""
+    if "model_type" in model_cfg:
+        return AutoConfig.for_model(**model_cfg)
     return LlamaConfig(**model_cfg, architectures=[LlamaForCausalLM.__name__])
 
 
-def build_model(model_cfg: dict, decoder_layer: str = "positional") -> LlamaForCausalLM:
-    """A randomly initialised `LlamaForCausalLM` whose blocks are `DECODER_LAYERS[decoder_layer]`.
-    The positional layer adds no state, so one seed gives the same weights with either layer."""
-    model = LlamaForCausalLM(hf_config(model_cfg))
-    for block in model.model.layers:
-        block.__class__ = DECODER_LAYERS[decoder_layer]
-    # Device maps (from_pretrained(device_map=...)) keep whole only the layers named here, by class name.
-    model._no_split_modules.add(DECODER_LAYERS[decoder_layer].__name__)
+def build_model(model_cfg: dict, decoder_layer: str = "positional"):
+    """A randomly initialised `*ForCausalLM` of [model]'s family, in float32. A Llama's blocks are
+    `DECODER_LAYERS[decoder_layer]`; the positional layer adds no state, so one seed gives the same
+    weights with either layer. Other families keep their own layer: recipe B needs no hook on it."""
+    config = hf_config(model_cfg)
+    model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+    if isinstance(model, LlamaForCausalLM):
+        for block in model.model.layers:
+            block.__class__ = DECODER_LAYERS[decoder_layer]
+        # Device maps (from_pretrained(device_map=...)) keep whole only the layers named here, by class name.
+        model._no_split_modules.add(DECODER_LAYERS[decoder_layer].__name__)
     return model
 
 

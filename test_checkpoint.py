@@ -16,7 +16,7 @@ import torch
 
 from conftest import (HERE, _config_error_lines, _torchrun, again_if_a_rank_died_of_a_signal, free_port, small_config,
                       join_gloo, spawn)
-from config import ConfigError, validate
+from config import ConfigError, read_hf_folder, validate
 from data import load_stdlib_bytes, random_windows
 
 
@@ -346,8 +346,8 @@ def test_tied_hf_folder_from_stock_transformers_trains_and_exports_tied(tmp_path
     # An untied --model key names the difference in one line.
     with pytest.raises(ConfigError, match="--model.tie_word_embeddings = False, but .*config.json has "
                                           "tie_word_embeddings = True \\(as transformers reads it\\)"):
-        validate(small_config(**{"checkpoint.enable": True, "checkpoint.initial_load_path": str(stock_folder),
-                                 "checkpoint.initial_load_in_hf": True}), 2, {"model.tie_word_embeddings": False})
+        read_hf_folder(small_config(**{"checkpoint.enable": True, "checkpoint.initial_load_path": str(stock_folder),
+                                       "checkpoint.initial_load_in_hf": True}), {"model.tie_word_embeddings": False})
 
 
 def test_bad_checkpoint_input_is_one_line(tmp_root, tmp_path):
@@ -380,7 +380,9 @@ def test_bad_checkpoint_input_is_one_line(tmp_root, tmp_path):
     for overrides, message in cases:
         path = overrides.get("checkpoint.initial_load_path", overrides.get("checkpoint.folder", ""))
         with pytest.raises(ConfigError) as e:  # [model] keys as given on the command line
-            validate(small_config(**{**small, **overrides}), 2, {k: v for k, v in overrides.items() if "model." in k})
+            cfg = small_config(**{**small, **overrides})
+            read_hf_folder(cfg, {k: v for k, v in overrides.items() if "model." in k})
+            validate(cfg, 2)
         assert message.format(path) in str(e.value), overrides
     # The launcher's view: one line, no step, nothing written.
     proc = _torchrun(*SMALL, "--checkpoint.enable", "true", "--checkpoint.folder", str(tmp_path / "unused"),
