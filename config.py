@@ -162,7 +162,8 @@ def validate(cfg: dict, world_size: int) -> None:
     """Raise ConfigError naming the first field that breaks a rule, section by section, in
     SCHEMA's order; resolve a -1 parallelism degree and data.tokenizer's "". [model] is config.toml's
     Llama keys, or an HF folder's config (read_hf_folder: any keys, its model_type). Nothing is written."""
-    check_table(cfg, {**SCHEMA, "model": dict} if "model_type" in cfg.get("model", {}) else SCHEMA)
+    from_folder = isinstance(cfg.get("model"), dict) and "model_type" in cfg["model"]  # read_hf_folder's: any keys
+    check_table(cfg, {**SCHEMA, "model": dict} if from_folder else SCHEMA)
     check_model(cfg["model"])
     check_training(cfg["training"], cfg["model"])
     check_optimizer(cfg["optimizer"], cfg["lr_scheduler"])

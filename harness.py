@@ -306,3 +306,48 @@ def make_documents(path: Path, count: int = 40, seed: int = 0) -> Path:
         lines.append(json.dumps({"id": i, "text": text[start : start + rng.randrange(10, 120)]}))
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def packed_batch(docs: Path, tokenizer_folder: Path, dp_size: int, batch_size: int, seq_len: int, seed: int = 42):
+    """The global batch step 1 trains on, packed here without the project's code: the training documents
+    (every 10th from the 10th held out), each with its tokenizer's BOS and an EOS, end to end in epoch 0's
+    order (numpy's permutation seeded by [training.seed, 0]); dp rank r's windows are the r-th batch_size of
+    the global batch. A window's positions restart at each document, whose first token is no target."""
+    import json
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    texts = [json.loads(line)["text"] for line in docs.read_text().splitlines()]
+    train = [text for i, text in enumerate(texts) if i % 10 != 9]
+    ids, starts = [], []
+    for k in np.random.default_rng([seed, 0]).permutation(len(train)):
+        doc = tokenizer(train[k])["input_ids"] + [tokenizer.eos_token_id]
+        ids, starts = ids + doc, starts + [True] + [False] * (len(doc) - 1)
+    rows = []
+    for b in range(batch_size * dp_size):
+        window, start = ids[b * seq_len : (b + 1) * seq_len + 1], starts[b * seq_len : (b + 1) * seq_len + 1]
+        positions = []
+        for s in start[:-1]:
+            positions.append(0 if s or not positions else positions[-1] + 1)
+        rows.append((window[:-1], [-100 if s else i for i, s in zip(window[1:], start[1:])], positions))
+    return tuple(torch.tensor(column) for column in zip(*rows))
+
+
+def transformers_loss(folder: Path, x, y, position_ids, per_rank: int | None = None) -> float:
+    """Stock transformers' loss of the folder's model (float32) on the batch: HF builds the block-causal
+    mask from position_ids itself, without a cache only (with the Hub's use_cache = true it attends
+    across documents). The mean per target token; `per_rank`: the mean of each dp rank's mean
+    instead (rows per rank), what a loss averaged per rank would give."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=x, position_ids=position_ids, use_cache=False).logits
+    losses = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)
+    if per_rank:
+        return torch.stack([losses[i : i + per_rank].sum() / (y[i : i + per_rank] != -100).sum()
+                            for i in range(0, len(y), per_rank)]).mean().item()
+    return (losses.sum() / (y != -100).sum()).item()

@@ -5,6 +5,7 @@
     python reach.py --table                # RESULTS.md's table, from reach.csv
     python reach.py --windows-only         # the sliding-window rows alone
     python reach.py --plans TREE           # each row's plan digest, with TREE's project files
+    python reach.py --by-path              # each family correct here, through train.py, into by_path.csv
 
 Each family is built tiny from its own config class (the tests' shrunk [model]: 4 blocks,
 hidden 256, 16 heads, 8 kv heads, head_dim 16; token ids inside the vocabulary; every dropout 0;
@@ -341,11 +342,50 @@ def verdict_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+BY_PATH = Path(__file__).with_name("by_path.csv")  # committed: reach.py --by-path's rows
+TRAIN_ARGS = ("--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
+              "--validation.steps", "1", "--metrics.measure_cpu_peak", "false", "--checkpoint.enable", "true",
+              "--checkpoint.initial_load_in_hf", "true")
+
+
+def by_path(family: str, root: Path) -> dict:
+    """`family` as a user brings it: a folder that stock save_pretrained writes (harness.make_hub_family:
+    the tests' sizes, bfloat16), its tokenizer and 40 documents, trained 3 steps by train.py on TP 2
+    with compile, and by one eager process; step 1 against stock transformers' loss on the same packed batch."""
+    import re
+    import subprocess
+    import sys
+
+    from harness import free_port, make_documents, make_hub_family, make_tokenizer, packed_batch, transformers_loss
+
+    folder = make_tokenizer(make_hub_family(root / family, family))
+    docs = root / "docs.jsonl" if (root / "docs.jsonl").exists() else make_documents(root / "docs.jsonl")
+    row = {"family": family}
+    for nproc in (2, 1):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                               f"--master_port={free_port()}", str(Path(__file__).with_name("train.py")), *TRAIN_ARGS,
+                               "--checkpoint.folder", str(root / f"{family}-{nproc}"), "--checkpoint.initial_load_path",
+                               str(folder), "--data.path", str(docs), "--data.cache_folder", str(root / "tokenized"),
+                               "--compile.enable", str(nproc > 1).lower()], capture_output=True, text=True)
+        if proc.returncode:
+            return {**row, "error": (proc.stderr.strip().splitlines() or ["?"])[-1][:300]}
+        row[nproc] = [float(x) for x in re.findall(r"^step +\d+ \| loss ([\d.]+)", proc.stdout, re.M)]
+        if nproc > 1:
+            row["graphs"], row["recompiles"] = (re.search(rf"{key} +(\d+)", proc.stdout)[1] for key in
+                                                ("compiled graphs", "recompiles"))
+    x, y, position_ids = packed_batch(docs, folder, 1, 2, 64)
+    return {"family": family, "graphs": row["graphs"], "recompiles": row["recompiles"],
+            "step_1_vs_transformers": f"{abs(row[2][0] - transformers_loss(folder, x, y, position_ids)):.1e}",
+            "losses_vs_one_process": f"{max(abs(a - b) for a, b in zip(row[2], row[1])):.1e}", "error": ""}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", help="comma-separated model_types (default: every dense family found)")
     parser.add_argument("--table", action="store_true", help=f"print RESULTS.md's table from {VERDICTS}, run nothing")
     parser.add_argument("--windows-only", action="store_true", help="only the sliding-window rows")
+    parser.add_argument("--by-path", action="store_true", help=f"each family correct on this torch through train.py "
+                        f"from a Hub folder, into {BY_PATH.name}")
     parser.add_argument("--plans", metavar="TREE", help="print each row's plan digest, with the project's files "
                         "from TREE (a checkout of any commit); diff two commits' to see which rows changed")
     args = parser.parse_args()
@@ -359,6 +399,8 @@ def main() -> None:
     import torch
 
     warnings.filterwarnings("ignore")
+    if args.by_path:
+        return measure_by_path(args.families.split(",") if args.families else None)
     families = args.families.split(",") if args.families else dense_families()[0]
     runs = [(family, window) for family in families
             for window in ((None,) * (not args.windows_only) + (WINDOWS if has_sliding_window(family) else ()))]
@@ -370,6 +412,28 @@ def main() -> None:
         write_verdicts([row])  # row by row: an interrupted run keeps what it measured
         print(f"{family} (window {window}): {row} ({time.perf_counter() - start:.0f} s)", flush=True)
     print(verdict_table(read_verdicts()))
+
+
+def measure_by_path(families: list[str] | None) -> None:
+    """by_path for `families`, or each family (variants too) reach.csv records correct on this torch, into BY_PATH."""
+    import csv
+
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    families = families or [r["family"] for r in read_verdicts() if r["torch"] == version and not r["window"]
+                            and r["verdict"].startswith("correct")]
+    columns = ("torch", "family", "graphs", "recompiles", "step_1_vs_transformers", "losses_vs_one_process", "error")
+    root = Path(tempfile.mkdtemp(prefix="by-path-"))
+    with open(BY_PATH, "w", newline="") as f:
+        writer = csv.DictWriter(f, columns, lineterminator="\n")
+        writer.writeheader()
+        for family in families:
+            start = time.perf_counter()
+            row = {"torch": version, **by_path(family, root)}
+            writer.writerow({c: row.get(c, "-") for c in columns})
+            f.flush()
+            print(f"{family}: {row} ({time.perf_counter() - start:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,16 +7,15 @@ import os
 import re
 import signal
 import subprocess
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from conftest import TP, _losses, _torchrun, _torchrun_cmd, assert_every_gradient_matches, small_config, spawn
-from harness import free_port, join_gloo, make_documents, make_hub_llama, make_tokenizer, whole_gradients
+from harness import (free_port, join_gloo, make_documents, make_hub_llama, make_tokenizer, packed_batch,
+                     transformers_loss, whole_gradients)
 
 STEPS = ("--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
          "--validation.steps", "1", "--metrics.measure_cpu_peak", "false")
@@ -29,47 +28,6 @@ def files(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("user")
     folders = {kind: make_tokenizer(make_hub_llama(root / kind, kind)) for kind in ("llama3", "llama2")}
     return {**folders, "docs": make_documents(root / "docs.jsonl"), "few": make_documents(root / "few.jsonl", 12)}
-
-
-def packed_batch(docs: Path, tokenizer_folder: Path, dp_size: int, batch_size: int, seq_len: int, seed: int = 42):
-    """The global batch step 1 trains on, packed here without the project's code: the training documents
-    (every 10th from the 10th held out), each with its tokenizer's BOS and an EOS, end to end in epoch 0's
-    order (numpy's permutation seeded by [training.seed, 0]); dp rank r's windows are the r-th batch_size of
-    the global batch. A window's positions restart at each document, whose first token is no target."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
-    texts = [json.loads(line)["text"] for line in docs.read_text().splitlines()]
-    train = [text for i, text in enumerate(texts) if i % 10 != 9]
-    ids, starts = [], []
-    for k in np.random.default_rng([seed, 0]).permutation(len(train)):
-        doc = tokenizer(train[k])["input_ids"] + [tokenizer.eos_token_id]
-        ids, starts = ids + doc, starts + [True] + [False] * (len(doc) - 1)
-    rows = []
-    for b in range(batch_size * dp_size):
-        window, start = ids[b * seq_len : (b + 1) * seq_len + 1], starts[b * seq_len : (b + 1) * seq_len + 1]
-        positions = []
-        for s in start[:-1]:
-            positions.append(0 if s or not positions else positions[-1] + 1)
-        rows.append((window[:-1], [-100 if s else i for i, s in zip(window[1:], start[1:])], positions))
-    return tuple(torch.tensor(column) for column in zip(*rows))
-
-
-def transformers_loss(folder: Path, x, y, position_ids, per_rank: int | None = None) -> float:
-    """Stock transformers' loss of the folder's model (float32) on the batch: HF builds the block-causal
-    mask from position_ids itself, without a cache only (with the Hub's use_cache = true it attends
-    across documents). The mean per target token; `per_rank`: the mean of each dp rank's mean
-    instead (rows per rank), what a loss averaged per rank would give."""
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(input_ids=x, position_ids=position_ids, use_cache=False).logits
-    losses = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(y.shape)
-    if per_rank:
-        return torch.stack([losses[i : i + per_rank].sum() / (y[i : i + per_rank] != -100).sum()
-                            for i in range(0, len(y), per_rank)]).mean().item()
-    return (losses.sum() / (y != -100).sum()).item()
 
 
 @pytest.fixture(scope="module")

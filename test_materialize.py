@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -37,8 +38,8 @@ def test_the_meta_build_gives_the_weights_and_buffers_a_seeded_one_process_build
 
 
 class LargestCopy(TorchDispatchMode):
-    """The most elements any op copies or communicates (views of a mapped file are neither); with
-    `made`, also any tensor a factory op makes (torch.empty's, which the init replay fills)."""
+    """The most elements any op copies or communicates (views of a mapped file are neither; a DTensor's:
+    its shard's); with `made`, also any tensor a factory op makes (torch.empty's, which the init replay fills)."""
 
     def __init__(self, made: bool = False):
         super().__init__()
@@ -54,7 +55,10 @@ class LargestCopy(TorchDispatchMode):
             moved = tree_leaves(out)
         else:
             moved = []
-        self.numel = max([self.numel, *(t.numel() for t in moved if isinstance(t, torch.Tensor) and not t.is_meta)])
+        # A DTensor op copies shards, unless its operands' placements differ: then it redistributes, out of sight.
+        whole = len({t.placements for t in tree_leaves((args, kwargs)) if isinstance(t, DTensor)}) > 1
+        local = lambda t: t._local_tensor if isinstance(t, DTensor) and not whole else t  # noqa: E731
+        self.numel = max([self.numel, *(local(t).numel() for t in moved if isinstance(t, torch.Tensor) and not t.is_meta)])
         return out
 
 
