@@ -85,13 +85,14 @@ REFUSED = ("training.seed", "data.path", "data.split", "data.text_field", "data.
 
 
 def run_record(cfg: dict, position=None) -> dict:
-    """What complete.json records of the run that wrote it (require_same_run); `position`: the data's."""
+    """What complete.json records of the run that wrote it (require_same_run), as JSON reads it back
+    (an HF config's id2label has int keys); `position`: the data's."""
     t, p, d = cfg["training"], cfg["parallelism"], cfg["data"]
-    return {"model": cfg["model"], "optimizer": cfg["optimizer"], "lr_scheduler": cfg["lr_scheduler"],
+    return json.loads(json.dumps({"model": cfg["model"], "optimizer": cfg["optimizer"], "lr_scheduler": cfg["lr_scheduler"],
             "training": {k: t[k] for k in ("seed", "steps", "local_batch_size", "global_batch_size", "seq_len")},
             "parallelism": {"dp_shard": p["dp_shard"], "tp": p["tp"]},
             "data": {"path": d["path"], "split": d["split"], "text_field": d["text_field"], "tokenizer": d["tokenizer"],
-                     "tokenized": getattr(position, "key", None)}}
+                     "tokenized": getattr(position, "key", None)}}))
 
 
 # -----------------------------------------------------------------------------
