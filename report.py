@@ -80,7 +80,7 @@ def flops_per_token(model, cfg: dict) -> int:
     m, inner = cfg["model"], model.model
     as_titan = torch.nn.Sequential(inner.embed_tokens, inner.layers, inner.norm, model.lm_head)
     args = types.SimpleNamespace(n_layers=m["num_hidden_layers"], n_heads=m["num_attention_heads"])  # FLOPs: no tying
-    head_dims = 2 * m["hidden_size"] // m["num_attention_heads"]
+    head_dims = 2 * (m.get("head_dim") or m["hidden_size"] // m["num_attention_heads"])  # qwen3: its own head_dim
     flops = get_dense_model_nparams_and_flops(args, as_titan, head_dims, cfg["training"]["seq_len"])[1]
     return flops + (6 * model.lm_head.weight.numel() if model.lm_head.weight is inner.embed_tokens.weight else 0)
 
