@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 from torch.utils._pytree import tree_map
 
-from family_plan import without_strided_shards
+from family_plan import placed_like, without_strided_shards
 from workarounds import set_comm_timeout
 
 MARKER = "complete.json"
@@ -181,7 +181,8 @@ def resume(cfg: dict, model, optimizer, scheduler, position, log) -> int:
         require_same_run(path, cfg, log, position=position)
         state = training_state(model, optimizer, scheduler, position, step)
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        model_sd, optim_sd = tree_map(placed_like, (state["model"], state["optim"]), get_state_dict(model, optimizer))
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         scheduler.load_state_dict(state["train"]["scheduler"])
         position.set_state(state["train"]["data_position"])
         log(f"checkpoint: loaded step {step} from {path} in {time.perf_counter() - start:.1f} s")
@@ -194,7 +195,7 @@ def resume(cfg: dict, model, optimizer, scheduler, position, log) -> int:
             require_same_run(path, cfg, log, every_key=False)
             state = {"model": tree_map(without_strided_shards, get_model_state_dict(model))}
             dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(model, tree_map(placed_like, state["model"], get_model_state_dict(model)))
         log(f"checkpoint: none complete in {folder}; loaded the {'HF' if hf else 'DCP'} weights of "
             f"{path} in {time.perf_counter() - start:.1f} s, starting from step 1")
         return 0
@@ -254,4 +255,5 @@ def load_hf(model, path: Path) -> None:
         del plain["lm_head.weight"]  # the embedding's parameter: loaded with it
     dcp.load(plain, storage_reader=HuggingFaceStorageReader(str(path)))
     if any(plain[name] is not state[name] for name in plain):  # fused weights: copies, set into the strided shards
-        set_model_state_dict(model, plain, options=StateDictOptions(strict=False))  # a tied lm_head is not in plain
+        set_model_state_dict(model, {name: placed_like(value, state[name]) for name, value in plain.items()},
+                             options=StateDictOptions(strict=False))  # a tied lm_head is not in plain

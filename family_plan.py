@@ -10,6 +10,7 @@ import re
 import textwrap
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -159,10 +160,43 @@ def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
 def without_strided_shards(value):
     """A fused weight's DTensor, or its AdamW state, as Shard on the same dim: a slice of HF's
     layout, for DCP, which refuses _StridedShard (`overlapping chunks`, torch 2.15.0; test_checkpoint
-    says when it no longer does). `set_state_dict` copies such a copy back into the strided weight."""
+    says when it no longer does). `placed_like` sets such a copy back, loaded, into the strided weight."""
     if not isinstance(value, DTensor) or not (fused := fused_placements(value.placements)):
         return value
-    return value.redistribute(value.device_mesh, [Shard(p.dim) if i in fused else p for i, p in enumerate(value.placements)])
+    return rows_exchanged(value, [Shard(p.dim) if i in fused else p for i, p in enumerate(value.placements)])
+
+
+def placed_like(value, like):
+    """`value`, a loaded copy of without_strided_shards', in `like`'s placements; anything else as it is."""
+    if not (isinstance(value, DTensor) and isinstance(like, DTensor)) or value.placements == like.placements:
+        return value
+    return rows_exchanged(value, like.placements)
+
+
+def rows_exchanged(value: DTensor, placements) -> DTensor:
+    """`value` in `placements`: Shard(d) <-> a fused weight's _StridedShard(d, parts) on one mesh dim, by an
+    all-to-all of its parts x TP equal row blocks in that dim's group. Block b (part b // TP's (b % TP)-th
+    1/TP) is rank b // parts's in Shard, rank b % TP's strided. Torch 2.15.0's `redistribute` gathers the
+    whole weight (`_redistribute.py`'s TODO cases 8 and 10, pytorch/pytorch#171023; test_families says
+    when it no longer does)."""
+    [i] = [i for i, (p, q) in enumerate(zip(value.placements, placements)) if p != q]
+    strided = next(p for p in (value.placements[i], placements[i]) if isinstance(p, _StridedShard))
+    mesh, dim, parts = value.device_mesh, strided.dim, strided.split_factor
+    tp, r = mesh.size(i), mesh.get_local_rank(i)
+    if value.shape[dim] % (parts * tp):
+        return value.redistribute(mesh, placements)
+    if strided is value.placements[i]:  # to Shard
+        held, owner = (lambda q: [k * tp + q for k in range(parts)]), (lambda b: b // parts)
+    else:
+        held, owner = (lambda q: [q * parts + k for k in range(parts)]), (lambda b: b % tp)
+    blocks = value.to_local().movedim(dim, 0).unflatten(0, (parts, -1))
+    sent = blocks[sorted(range(parts), key=lambda k: owner(held(r)[k]))].contiguous()  # grouped by receiver
+    came = [b for q in range(tp) for b in held(q) if owner(b) == r]  # in the order they arrive
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, [sum(owner(b) == r for b in held(q)) for q in range(tp)],
+                           [sum(owner(b) == q for b in held(r)) for q in range(tp)], group=mesh.get_group(i))
+    local = received[sorted(range(parts), key=came.__getitem__)].flatten(0, 1).movedim(0, dim).contiguous()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride())
 
 
 def fused_placements(placements) -> list[int]:

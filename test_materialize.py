@@ -47,8 +47,8 @@ class LargestCopy(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.namespace == "c10d":
-            moved = tree_leaves((args, kwargs))
+        if func.namespace in ("c10d", "_c10d_functional"):  # in place, or a new output (DTensor's redistribute)
+            moved = tree_leaves((args, kwargs, out))
         elif func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default, torch.ops.aten.clone.default):
             moved = tree_leaves(out)
         elif self.made and not any(isinstance(t, torch.Tensor) for t in tree_leaves((args, kwargs))):  # a factory
