@@ -119,12 +119,13 @@ def test_a_family_recipe_b_cannot_train_is_one_line_before_any_process_group(fol
 
 
 def _load_main(rank: int, port: int, folders: dict, out: str) -> None:
-    """TP 2: each family's build that its folder fills (no init replay) and the HF load, under LargestCopy."""
+    """TP 2: each family's build that its folder fills (no init replay), then one that its checkpoint fills, under LargestCopy."""
     import torch.distributed as dist
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
     import parallelize
+    import checkpoint
     import train
     from checkpoint import load_hf
     from config import read_hf_folder, validate
@@ -138,18 +139,27 @@ def _load_main(rank: int, port: int, folders: dict, out: str) -> None:
     join_gloo(rank, 2, port)
     results = {}
     for name, folder in folders.items():
-        cfg = small_config(**{"checkpoint.enable": True, "checkpoint.initial_load_path": folder,
-                              "checkpoint.initial_load_in_hf": True, "compile.enable": False})
+        cfg = small_config(**{"checkpoint.enable": True, "checkpoint.initial_load_path": folder, "compile.enable": False,
+                              "checkpoint.initial_load_in_hf": True, "checkpoint.folder": str(Path(out).parent / name)})
         read_hf_folder(cfg, {})
         validate(cfg, 2)
+        dims = lambda: parallelize.build_parallel_dims(cfg, 2, "cpu")  # noqa: E731
+        build = lambda: train.build_training(cfg, torch.device("cpu"), dims(), draw=False)  # noqa: E731
         rng = torch.manual_seed(12345).get_state()
         with LargestCopy(made=True) as copied:
-            model, *_ = train.build_training(cfg, torch.device("cpu"), parallelize.build_parallel_dims(cfg, 2, "cpu"), draw=False)
+            model, optimizer, scheduler = build()
             load_hf(model, Path(folder))
         whole = lambda p: p.full_tensor() if isinstance(p, DTensor) else p  # noqa: E731
         with safe_open(Path(folder) / "model.safetensors", framework="pt") as f:
             wrong = [n for n, p in model.named_parameters() if not torch.equal(whole(p), f.get_tensor(hf_name(n)).float())]
-        results[name] = dict(largest=copied.numel, drew=not torch.equal(rng, torch.random.get_rng_state()), wrong=wrong,
+        checkpoint.save(cfg, 1, model, optimizer, scheduler, torch.Generator(), lambda line: None)
+        with LargestCopy(made=True) as resumed:  # the same, from its DCP checkpoint
+            again, *schedule = build()
+            checkpoint.resume(cfg, again, *schedule, torch.Generator(), lambda line: None)
+        wrong += [f"resumed {n}" for (n, p), q in zip(model.named_parameters(), again.parameters())
+                  if not torch.equal(whole(p), whole(q))]
+        results[name] = dict(largest=max(copied.numel, resumed.numel), wrong=wrong,
+                             drew=not torch.equal(rng, torch.random.get_rng_state()),
                              largest_shard=max((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()),
                              largest_fused=max((p.numel() for p in model.parameters() if fused_placements(p.placements)), default=0))
         for fused in (p for p in model.parameters() if fused_placements(p.placements)):  # rows_exchanged against torch's
@@ -166,7 +176,8 @@ def _load_main(rank: int, port: int, folders: dict, out: str) -> None:
 
 def test_a_familys_folder_fills_each_ranks_shards_with_no_draw(folders, tmp_path):
     """Gemma 3 (tied; an embedding with a buffer) and Phi-3-mini (fused weights) on TP 2: built on meta,
-    no init replay: no random number; every weight the folder's (a fused one in HF's layout). No tensor
+    no init replay, filled from the folder, then again from a DCP checkpoint of it: no random number;
+    every weight the folder's (a fused one in HF's layout). No tensor
     made, copied or sent is larger than the rank's largest shard: a fused weight's Shard(0) rows, as DCP
     reads them, become its _StridedShard by family_plan.rows_exchanged, equal to torch's `redistribute`,
     which on torch 2.15.0 goes through the whole weight (_redistribute.py: a TODO)."""
