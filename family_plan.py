@@ -10,9 +10,8 @@ import re
 import textwrap
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
@@ -141,14 +140,28 @@ class FusedColwiseParallel(ColwiseParallel):
 
 
 def parts_by_all_to_all(local: torch.Tensor, parts: int, mesh) -> torch.Tensor:
-    """Torch 2.10-2.11 (STRIDED_LINEAR): rank r's output from Shard(0) rows is blocks r*parts... of the
-    parts*TP column blocks; block b, part b // TP's (b % TP)-th 1/TP, goes to rank b % TP, in order of b."""
-    tp, r = mesh.size(), mesh.get_local_rank()
-    to = [(r * parts + k) % tp for k in range(parts)]
-    blocks = local.unflatten(-1, (parts, -1)).movedim(-2, 0)[sorted(range(parts), key=to.__getitem__)]
-    sizes_in = [sum((q * parts + k) % tp == r for k in range(parts)) for q in range(tp)]
-    received = all_to_all_single_autograd(blocks.contiguous(), sizes_in, [to.count(q) for q in range(tp)], mesh)
-    return received.movedim(0, -2).flatten(-2)
+    """Torch 2.10-2.11 (STRIDED_LINEAR): rank r's output from Shard(0) rows holds HF's column blocks
+    r*parts...; each rank needs the r-th 1/TP of each part, as from a _StridedShard weight."""
+    return blocks_exchanged(local, -1, parts, mesh, 0, to_strided=True)
+
+
+def blocks_exchanged(local: torch.Tensor, dim: int, parts: int, mesh, i: int, to_strided: bool) -> torch.Tensor:
+    """`local`'s parts x TP equal blocks on `dim` (block b: part b // TP's (b % TP)-th 1/TP), moved by one
+    all-to-all in mesh dim i's group between Shard's order (rank r: blocks r*parts...) and the strided one
+    (rank r: blocks r, r + TP, ...), each rank's in the order of b; differentiable."""
+    tp, r = mesh.size(i), mesh.get_local_rank(i)
+    if to_strided:
+        held, owner = (lambda q: [q * parts + k for k in range(parts)]), (lambda b: b % tp)
+    else:
+        held, owner = (lambda q: [k * tp + q for k in range(parts)]), (lambda b: b // parts)
+    blocks = local.movedim(dim, 0).unflatten(0, (parts, -1))
+    sent = blocks[sorted(range(parts), key=lambda k: owner(held(r)[k]))].contiguous()  # grouped by receiver
+    came = [b for q in range(tp) for b in held(q) if owner(b) == r]  # in the order they arrive
+    received = all_to_all_single_autograd(sent, [sum(owner(b) == r for b in held(q)) for q in range(tp)],
+                                          [sum(owner(b) == q for b in held(r)) for q in range(tp)], (mesh, i))
+    if came != sorted(came):
+        received = received[sorted(range(parts), key=came.__getitem__)]
+    return received.flatten(0, 1).movedim(0, dim).contiguous()
 
 
 def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
@@ -174,28 +187,17 @@ def placed_like(value, like):
 
 
 def rows_exchanged(value: DTensor, placements) -> DTensor:
-    """`value` in `placements`: Shard(d) <-> a fused weight's _StridedShard(d, parts) on one mesh dim, by an
-    all-to-all of its parts x TP equal row blocks in that dim's group. Block b (part b // TP's (b % TP)-th
-    1/TP) is rank b // parts's in Shard, rank b % TP's strided. Torch 2.15.0's `redistribute` gathers the
-    whole weight (`_redistribute.py`'s TODO cases 8 and 10, pytorch/pytorch#171023; test_families says
-    when it no longer does)."""
+    """`value` in `placements`: Shard(d) <-> a fused weight's _StridedShard(d, parts) on one mesh dim, by
+    blocks_exchanged in that dim's group. Torch 2.15.0's `redistribute` gathers the whole weight
+    (`_redistribute.py`'s TODO cases 8 and 10, pytorch/pytorch#171023; test_families says when it
+    no longer does)."""
     [i] = [i for i, (p, q) in enumerate(zip(value.placements, placements)) if p != q]
     strided = next(p for p in (value.placements[i], placements[i]) if isinstance(p, _StridedShard))
     mesh, dim, parts = value.device_mesh, strided.dim, strided.split_factor
-    tp, r = mesh.size(i), mesh.get_local_rank(i)
-    if value.shape[dim] % (parts * tp):
+    if value.shape[dim] % (parts * mesh.size(i)):
         return value.redistribute(mesh, placements)
-    if strided is value.placements[i]:  # to Shard
-        held, owner = (lambda q: [k * tp + q for k in range(parts)]), (lambda b: b // parts)
-    else:
-        held, owner = (lambda q: [q * parts + k for k in range(parts)]), (lambda b: b % tp)
-    blocks = value.to_local().movedim(dim, 0).unflatten(0, (parts, -1))
-    sent = blocks[sorted(range(parts), key=lambda k: owner(held(r)[k]))].contiguous()  # grouped by receiver
-    came = [b for q in range(tp) for b in held(q) if owner(b) == r]  # in the order they arrive
-    received = torch.empty_like(sent)
-    dist.all_to_all_single(received, sent, [sum(owner(b) == r for b in held(q)) for q in range(tp)],
-                           [sum(owner(b) == q for b in held(r)) for q in range(tp)], group=mesh.get_group(i))
-    local = received[sorted(range(parts), key=came.__getitem__)].flatten(0, 1).movedim(0, dim).contiguous()
+    local = blocks_exchanged(value.to_local().detach(), dim, parts, mesh, i, to_strided=strided is placements[i])
+    local = wait_tensor(local)  # a plain tensor, not funcol's AsyncCollectiveTensor, which DCP cannot load back
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride())
 
 

@@ -122,16 +122,14 @@ def _load_main(rank: int, port: int, folders: dict, out: str) -> None:
     """TP 2: each family's build that its folder fills (no init replay), then one that its checkpoint fills, under LargestCopy."""
     import torch.distributed as dist
     from safetensors import safe_open
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
-    import parallelize
     import checkpoint
+    import parallelize
     import train
     from checkpoint import load_hf
     from config import read_hf_folder, validate
     from conftest import join_gloo, small_config
-    from torch.distributed.tensor import Shard
-
     from family_plan import fused_placements, placed_like, without_strided_shards
     from harness import hf_name
     from test_materialize import LargestCopy
@@ -177,10 +175,10 @@ def _load_main(rank: int, port: int, folders: dict, out: str) -> None:
 def test_a_familys_folder_fills_each_ranks_shards_with_no_draw(folders, tmp_path):
     """Gemma 3 (tied; an embedding with a buffer) and Phi-3-mini (fused weights) on TP 2: built on meta,
     no init replay, filled from the folder, then again from a DCP checkpoint of it: no random number;
-    every weight the folder's (a fused one in HF's layout). No tensor
-    made, copied or sent is larger than the rank's largest shard: a fused weight's Shard(0) rows, as DCP
-    reads them, become its _StridedShard by family_plan.rows_exchanged, equal to torch's `redistribute`,
-    which on torch 2.15.0 goes through the whole weight (_redistribute.py: a TODO)."""
+    every weight the folder's (a fused one in HF's layout). No tensor made, copied or sent is larger
+    than the rank's largest shard: a fused weight's Shard(0) rows, as DCP reads them, become its
+    _StridedShard by family_plan.rows_exchanged, equal to torch's `redistribute`, which on torch
+    2.15.0 goes through the whole weight (_redistribute.py: a TODO)."""
     from conftest import spawn
 
     out = tmp_path / "load.json"
