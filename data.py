@@ -1,9 +1,11 @@
-"""What the model trains on: the standard library's bytes (the default), or your documents (`data.path`),
-tokenized once (tokens.py) and packed end to end into windows whose `position_ids` restart at every
-document (model.forward_logits builds block-causal masks from them), in a new seeded order each epoch.
+"""What the model trains on: the standard library's bytes (the default), or your documents or conversations
+(`data.path`), tokenized once (tokens.py). Documents are packed end to end into windows whose `position_ids`
+restart at every document (model.forward_logits builds block-causal masks from them); conversations are
+packed whole, best fit, their targets the assistant's tokens (chat.py). Each epoch in a new seeded order.
 Held out: validation.path, else the corpus' validation split, else every 10th document from the 10th.
 """
 
+import bisect
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,19 @@ class Documents:
     def lengths(self) -> np.ndarray:
         starts = np.asarray(self.tokens.starts)
         return starts[self.docs + 1] - starts[self.docs]
+
+    def conversations(self) -> bool:
+        return self.tokens.mask is not None
+
+    def trained(self, seq_len: int) -> tuple[int, int, int]:
+        """(tokens, targets, how many are cut) of what trains: documents whole; conversations' first seq_len tokens."""
+        lengths = self.lengths()
+        if not self.conversations():
+            return int(lengths.sum()), int(lengths.sum()) - len(self), 0  # a document's first token is no target
+        targets, cut = self.tokens.targets[self.docs].copy(), np.flatnonzero(lengths > seq_len)
+        first = np.asarray(self.tokens.starts)[self.docs[cut]]
+        targets[cut] = [int(self.tokens.mask[f : f + seq_len].sum()) for f in first]
+        return int(np.minimum(lengths, seq_len).sum()), int(targets.sum()), len(cut)
 
 
 @dataclass
@@ -70,11 +85,20 @@ def prepare(d: dict, validation_path: str, vocab_size: int, batch_tokens: int) -
     else:  # a share that leaves a corpus of under 10 documents all of them
         every = np.arange(len(train.starts) - 1)
         train, held_out = Documents(train, every[every % 10 != 9]), Documents(train, every[9::10])
-    if (have := int(train.lengths().sum())) < batch_tokens:
-        raise DataError(f"data.path = {path!r} holds {have:,} training tokens ({len(train):,} documents, "
-                        f"{train.tokens.skipped:,} empty or null skipped; held out: {how}), fewer than one global "
-                        f"batch's {batch_tokens:,}")
+    if len(held_out) and held_out.conversations() != train.conversations():
+        raise DataError(f"data.path = {path!r} and its held-out {how} are not both documents or both conversations")
+    need = "one" if train.conversations() else f"one global batch's {batch_tokens:,}"  # conversations repeat to fill it
+    if (have := int(train.lengths().sum())) < (1 if train.conversations() else batch_tokens):
+        raise DataError(f"data.path = {path!r} holds {have:,} training tokens ({len(train):,} {kind(train)}, "
+                        f"{train.tokens.skipped:,} {kind(train, 'skipped')}; held out: {how}), fewer than {need}")
     return Corpus(train, held_out if len(held_out) else None, tokenizer, source, how)
+
+
+def kind(documents: Documents, skipped: str = "") -> str:
+    """What the corpus holds, or (`skipped`) what of it was skipped."""
+    if skipped:
+        return "without an assistant turn to train skipped" if documents.conversations() else "empty or null skipped"
+    return "conversations" if documents.conversations() else "documents"
 
 
 def held_out_split(splits: dict, split: str, validation_path: str):
@@ -104,7 +128,8 @@ def training_batches(corpus: Corpus, cfg: dict, dp_mesh=None):
     if isinstance(corpus.train, torch.Tensor):
         generator = torch.Generator().manual_seed(t["seed"])
         return random_windows(corpus.train, rank_batch, t["seq_len"], generator, dp_mesh), generator
-    windows = Windows(corpus.train, rank_batch, t["seq_len"], dp_mesh, seed=t["seed"])
+    windows = (Packed if corpus.train.conversations() else Windows)(corpus.train, rank_batch, t["seq_len"], dp_mesh,
+                                                                     seed=t["seed"])
     return iter(windows), windows
 
 
@@ -114,7 +139,9 @@ def held_out_batches(corpus: Corpus, cfg: dict, dp_mesh=None):
     if isinstance(corpus.held_out, torch.Tensor):
         generator = torch.Generator().manual_seed(t["seed"] + 1)
         return random_windows(corpus.held_out, rank_batch, t["seq_len"], generator, dp_mesh)
-    return None if corpus.held_out is None else iter(Windows(corpus.held_out, rank_batch, t["seq_len"], dp_mesh))
+    if corpus.held_out is None:
+        return None
+    return iter((Packed if corpus.held_out.conversations() else Windows)(corpus.held_out, rank_batch, t["seq_len"], dp_mesh))
 
 
 # -----------------------------------------------------------------------------
@@ -223,8 +250,84 @@ class Windows:
             self.orders[epoch] = order, np.cumsum(self.lengths[order])
         return self.orders[epoch]
 
+    def packed(self, tokens: int) -> str:
+        return f"packed end to end into windows of {self.seq_len}"
+
     def get_state(self) -> torch.Tensor:
         return torch.tensor([self.offset])
 
     def set_state(self, state: torch.Tensor) -> None:
         self.offset = int(state[0])
+
+
+class Packed:
+    """Endless batches of whole conversations (one over seq_len: its first seq_len tokens, alone), each epoch
+    in a new order drawn from `seed` (None: theirs), put best fit into windows of seq_len; the rest of a
+    window is padding, no target. Of each global batch's windows, dp rank r takes the r-th batch_size; the
+    position a checkpoint saves is (epoch, window), into windows of this seq_len (part of `key`)."""
+
+    OPEN = 256  # windows open for more conversations at once: past that, the fullest is closed
+
+    def __init__(self, documents: Documents, batch_size: int, seq_len: int, dp_mesh=None, seed: int | None = None):
+        self.ids, self.mask, self.key = documents.tokens.ids, documents.tokens.mask, f"{documents.tokens.key}/{seq_len}"
+        self.first, self.lengths = np.asarray(documents.tokens.starts)[documents.docs], np.minimum(documents.lengths(), seq_len)
+        self.dp_rank, self.dp_size = dp_coordinates(dp_mesh)
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.epoch, self.window, self.packings = 0, 0, {}
+
+    def __iter__(self):
+        b = self.batch_size
+        while True:
+            windows = [self.next_window() for _ in range(self.dp_size * b)][self.dp_rank * b : (self.dp_rank + 1) * b]
+            yield tuple(torch.from_numpy(np.stack(rows)) for rows in zip(*map(self.rows, windows)))
+
+    def next_window(self) -> np.ndarray:
+        """The conversations of the window at the position, which moves on by one."""
+        if self.window == len(self.packing(self.epoch)[1]) - 1:
+            self.epoch, self.window = self.epoch + 1, 0
+        members, bounds = self.packing(self.epoch)
+        self.window += 1
+        return members[bounds[self.window - 1] : bounds[self.window]]
+
+    def rows(self, conversations: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A window's inputs, targets (the next token where it is a target of the same conversation) and positions."""
+        lengths, n = self.lengths[conversations], self.seq_len
+        used, begin = int(lengths.sum()), np.repeat(np.cumsum(lengths) - lengths, lengths)
+        positions = np.concatenate([np.arange(used) - begin, np.arange(n - used)])  # padding: a block of its own
+        index = np.repeat(self.first[conversations], lengths) + positions[:used]
+        ids, targets = np.zeros(n, np.int64), np.full(n, IGNORED, np.int64)
+        ids[:used] = self.ids[index]
+        targets[: used - 1] = np.where(self.mask[index[1:]] & (positions[1:used] > 0), ids[1:used], IGNORED)
+        return ids, targets, positions
+
+    def packing(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the conversations, window after window; where each window's begin), of `epoch`: each conversation in
+        the epoch's order goes into the open window with the least room that holds it, else a new one."""
+        if epoch not in self.packings:
+            count = len(self.lengths)
+            order = np.arange(count) if self.seed is None else np.random.default_rng([self.seed, epoch]).permutation(count)
+            rooms, windows = [], []  # rooms: (room, window) of the open windows, sorted
+            for c, length in zip(order.tolist(), self.lengths[order].tolist()):
+                k = bisect.bisect_left(rooms, (length, -1))
+                room, w = rooms.pop(k) if k < len(rooms) else (self.seq_len, len(windows))
+                if w == len(windows):
+                    windows.append([])
+                windows[w].append(c)
+                if room > length:
+                    bisect.insort(rooms, (room - length, w))
+                if len(rooms) > self.OPEN:
+                    del rooms[0]
+            self.packings = {epoch: (np.array([c for w in windows for c in w], np.int64),
+                                   np.cumsum([0] + [len(w) for w in windows]))}
+        return self.packings[epoch]
+
+    def packed(self, tokens: int) -> str:
+        """How, for the data line: the windows of an epoch, and their share holding `tokens` (not padding)."""
+        windows = len(self.packing(0)[1]) - 1
+        return f"packed whole, best fit, into {windows:,} windows of {self.seq_len} ({tokens / windows / self.seq_len:.0%} filled)"
+
+    def get_state(self) -> torch.Tensor:
+        return torch.tensor([self.epoch, self.window])
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self.epoch, self.window = int(state[0]), int(state[1])

@@ -1,17 +1,30 @@
 """Your documents where they are: the files of a split (a file, glob or folder; a Hub dataset snapshot's
-file names; a datasets folder), read one document at a time by our own readers, which name the file and
-line (or byte offset) of a bad record in one line: datasets' builders give tracebacks without them.
+file names; a datasets folder), read one document or conversation at a time by our own readers, which
+name the file and line (or byte offset) of a bad record in one line: datasets' builders give tracebacks
+without them. A record with `messages`, or with `prompt` and `completion`, is a conversation (TRL's formats).
 """
 
+import codecs
 import glob
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")  # .txt: a document per file; the others a record each
+BLOCK = 1 << 24  # bytes of a .txt file read at once: a file of any size is never whole in memory
 
 
 class DataError(ValueError):
     """What stops a run before any work: data that cannot give batches, named with its file and where."""
+
+
+class Conversation(NamedTuple):
+    """A chat record: `messages` for the chat template, of which those at `trained` (the assistant's) are
+    targets; or (prompt, completion) as text, not templated, the completion the target (as TRL's)."""
+    messages: list | tuple
+    trained: tuple
+    where: str
+    tools: list | None = None
 
 
 def splits_of(path: str, key: str = "data.path") -> dict:
@@ -31,8 +44,8 @@ def splits_of(path: str, key: str = "data.path") -> dict:
         except FileNotFoundError:  # datasets' EmptyDatasetError: no file at all
             found = {}
         splits = {str(name): sorted(Path(f) for f in files if Path(f).suffix in SUFFIXES) for name, files in found.items()}
-    else:
-        splits = {"train": sorted(p for p in map(Path, glob.glob(path)) if p.suffix in SUFFIXES and p.is_file())}
+    else:  # ** reaches every depth
+        splits = {"train": sorted(p for p in map(Path, glob.glob(path, recursive=True)) if p.suffix in SUFFIXES and p.is_file())}
     splits = {name: files for name, files in splits.items() if files}
     if not splits:
         raise DataError(f"{key} = {path!r} matches no {', '.join(SUFFIXES)} file")
@@ -44,25 +57,52 @@ def splits_of(path: str, key: str = "data.path") -> dict:
 
 
 def read_documents(source, field: str):
-    """Each document's text, or None (null), from splits_of's files or datasets.Dataset."""
+    """Each document's text (a string; None for null; a .txt file's, in pieces) or Conversation, from
+    splits_of's files or a datasets.Dataset. A corpus holds one kind: documents or conversations."""
+    first = {}  # kind: where it was first seen
+    for item, where in records(source, field):
+        first.setdefault(isinstance(item, Conversation), where)
+        if len(first) > 1:
+            raise DataError(f"{first[True]} is a conversation, {first[False]} a document: give documents or "
+                            "conversations, not both")
+        yield item
+
+
+def records(source, field: str):
+    """(each record's document or Conversation, where it is)."""
     if not isinstance(source, list):  # a datasets.Dataset
-        require_field(field, source.column_names, "the datasets folder")
-        for batch in source.select_columns([field]).iter(batch_size=1000):
-            yield from (check_text(text, field, "the datasets folder") for text in batch[field])
+        columns, where = chosen_columns(source.column_names, field, "the datasets folder"), "the datasets folder"
+        for batch in source.select_columns(columns).iter(batch_size=1000):
+            yield from ((record_item(dict(zip(columns, row)), field, where), where) for row in zip(*batch.values()))
         return
     for file in source:
+        if file.suffix == ".txt":
+            yield read_txt(file), str(file)
+            continue
         try:
-            yield from {".txt": read_txt, ".parquet": read_parquet}.get(file.suffix, read_json)(file, field)
+            yield from (read_parquet if file.suffix == ".parquet" else read_json)(file, field)
         except OSError as e:
             raise DataError(f"{file} cannot be read: {e.strerror or e}") from None
 
 
-def read_txt(file: Path, field: str):
-    data = file.read_bytes()
+def read_txt(file: Path):
+    """The file's text, BLOCK bytes at a time (tokens.pieces cuts it)."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
     try:
-        yield data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise not_utf8(file, e.start, data[e.start : e.start + 4]) from None
+        with open(file, "rb") as f:
+            while True:
+                data, pending = f.read(BLOCK), len(decoder.getstate()[0])
+                try:
+                    text = decoder.decode(data, final=not data)
+                except UnicodeDecodeError as e:
+                    raise not_utf8(file, offset - pending + e.start, e.object[e.start : e.start + 4]) from None
+                if text:
+                    yield text
+                if not data:
+                    return
+                offset += len(data)
+    except OSError as e:
+        raise DataError(f"{file} cannot be read: {e.strerror or e}") from None
 
 
 def read_json(file: Path, field: str):
@@ -75,7 +115,8 @@ def read_json(file: Path, field: str):
                 raise DataError(f"{file}:{e.lineno}: not valid JSON ({e.msg})") from None
             except UnicodeDecodeError as e:
                 raise not_utf8(file, e.start, e.object[e.start : e.start + 4]) from None
-            yield from (record_text(r, field, f"{file}: record {i + 1}") for i, r in enumerate(records))
+            for i, record in enumerate(records):
+                yield record_item(record, field, f"{file}: record {i + 1}"), f"{file}: record {i + 1}"
             return
         f.seek(0)
         offset = 0
@@ -88,7 +129,7 @@ def read_json(file: Path, field: str):
                 raise not_utf8(file, offset + e.start, raw[e.start : e.start + 4]) from None
             offset += len(raw)
             if record is not None:
-                yield record_text(record, field, f"{file}:{number}")
+                yield record_item(record, field, f"{file}:{number}"), f"{file}:{number}"
 
 
 def not_utf8(file: Path, offset: int, data: bytes) -> DataError:
@@ -103,27 +144,65 @@ def read_parquet(file: Path, field: str):
         table = pq.ParquetFile(file)
     except Exception as e:  # pyarrow's ArrowInvalid and OSError
         raise DataError(f"{file} is not a parquet file pyarrow reads: {str(e).splitlines()[0]}") from None
-    require_field(field, table.schema_arrow.names, str(file))
-    for batch in table.iter_batches(batch_size=1000, columns=[field]):
-        yield from (check_text(text, field, str(file)) for text in batch.column(0).to_pylist())
+    columns, row = chosen_columns(table.schema_arrow.names, field, str(file)), 0
+    for batch in table.iter_batches(batch_size=1000, columns=columns):
+        for record in batch.to_pylist():
+            row += 1
+            yield record_item(record, field, f"{file}: row {row}"), f"{file}: row {row}"
 
 
-def record_text(record, field: str, where: str):
+def chosen_columns(names: list, field: str, where: str) -> list:
+    """The columns a table's records are read from: a conversation's, else the text field."""
+    tools = ["tools"] if "tools" in names else []
+    if "messages" in names:
+        return ["messages", *tools]
+    if "prompt" in names and "completion" in names:
+        return ["prompt", "completion", *tools]
+    require_field(field, names, where)
+    return [field]
+
+
+def record_item(record, field: str, where: str):
+    """A record's Conversation, else its text: `messages` first, then `prompt` with `completion`, then `field`."""
     if not isinstance(record, dict):
-        raise DataError(f"{where} is a JSON {type(record).__name__}, not an object with a {field!r} field")
+        raise DataError(f"{where} is a JSON {type(record).__name__}, not an object with a {field!r} field or messages")
+    if "messages" in record:
+        return conversation(record["messages"], None, where, record.get("tools"))
+    if "prompt" in record and "completion" in record:
+        prompt, completion = record["prompt"], record["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return Conversation((prompt, completion), (1,), where)
+        return conversation(prompt, completion, where, record.get("tools"))
     require_field(field, list(record), where)
     return check_text(record[field], field, where)
+
+
+def conversation(prompt, completion, where: str, tools) -> Conversation:
+    """`prompt` (or all the messages) + `completion`; trained: the assistant's messages (of the completion if any)."""
+    for name, messages in (("messages" if completion is None else "prompt", prompt), ("completion", completion or [])):
+        if not isinstance(messages, list):
+            raise DataError(f"{where}: {name} is a {type(messages).__name__}, not a list of messages (role, content)"
+                            + (": give prompt and completion both as text or both as messages" if completion else ""))
+    messages = prompt + (completion or [])
+    for i, message in enumerate(messages, 1):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise DataError(f"{where}: message {i} has no 'role'")
+        if message.get("content") is None and not message.get("tool_calls"):
+            raise DataError(f"{where}: message {i} ({message['role']}) has no 'content'")
+    first = 0 if completion is None else len(prompt)
+    trained = tuple(i for i in range(first, len(messages)) if messages[i]["role"] == "assistant")
+    if trained[:1] == (0,):
+        raise DataError(f"{where}: message 1 is the assistant's: a conversation opens with a system or user message")
+    return Conversation(messages, trained, where, tools)
 
 
 def require_field(field: str, fields, where: str) -> None:
     if field not in fields:
         raise DataError(f"{where} has no {field!r} field (its fields: {', '.join(fields)}); name yours with "
-                        "data.text_field")
+                        "data.text_field, or give conversations as messages, or prompt and completion")
 
 
 def check_text(text, field: str, where: str):
     if text is not None and not isinstance(text, str):
         raise DataError(f"{where}: {field} is a {type(text).__name__}, not text")
     return text
-
-

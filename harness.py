@@ -221,16 +221,16 @@ def join_gloo(rank: int, world_size: int, port: int) -> None:
 # -----------------------------------------------------------------------------
 # a user's own Llama folder, tokenizer and documents, made here: nothing downloads
 
-def make_tokenizer(folder: Path, vocab_size: int = 400) -> Path:
-    """A byte-level BPE tokenizer trained on a few KB of the standard library (the `tokenizers`
-    library), as the Hub keeps Llama 3's: tokenizer.json whose post-processor adds <s> (BOS),
-    and tokenizer_config.json naming BOS and EOS."""
+def make_tokenizer(folder: Path, vocab_size: int = 400, text: str = "") -> Path:
+    """A byte-level BPE tokenizer (GPT-2's pre-tokenizer) trained on a few KB of the standard library and
+    `text` (the `tokenizers` library), as the Hub keeps Llama 3's: tokenizer.json whose post-processor
+    adds <s> (BOS), and tokenizer_config.json naming BOS and EOS."""
     import json
     import sysconfig
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()[:8000]
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text()[:8000] + text
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     tokenizer.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],

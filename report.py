@@ -13,8 +13,8 @@ from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.tools.utils import get_peak_flops
 
 from config import global_batch_size
+from data import kind, vocabulary_size
 from parallelize import bfloat16_by
-from tokens import vocabulary_size
 
 
 def mesh_name(cfg: dict) -> str:
@@ -34,21 +34,21 @@ def run_line(cfg: dict, world_size: int, device: torch.device) -> str:
             f"compute {compute}, reduce {t['mixed_precision_reduce']}, float32 matmuls {t['float32_matmul_precision']}")
 
 
-def data_line(cfg: dict, corpus) -> str:
-    """What the run trains on (data.Corpus): documents, tokens, what was skipped and held out, the
-    tokenized copy (built now, or read), the tokenizer, and the masks packed documents cost."""
+def data_line(cfg: dict, corpus, position) -> str:
+    """What trains (data.Corpus, packed by `position`), its tokens and targets, what was skipped, cut, held out, where."""
     if isinstance(corpus.train, torch.Tensor):
         return f"data: {len(corpus.train):,} train bytes, {len(corpus.held_out):,} held-out bytes of the Python stdlib"
-    d, t, tokens = cfg["data"], cfg["training"], corpus.train.tokens
-    held = corpus.held_out
-    built = f"tokenized in {tokens.built:.1f} s into" if tokens.built is not None else "read from the tokenized copy"
-    return (f"data: {len(corpus.train):,} documents, {int(corpus.train.lengths().sum()):,} tokens of {d['path']} "
-            f"({d['split']}; {tokens.skipped:,} empty or null skipped), {built} {d['cache_folder']}/{tokens.key} by "
-            f"{corpus.source}'s tokenizer ({vocabulary_size(corpus.tokenizer):,} ids); held out: "
-            + (f"{len(held):,} documents, {corpus.held_out_from}" if held else f"none ({corpus.held_out_from} of "
-               f"{len(corpus.train):,}: set validation.path)")
-            + f"; packed into windows of {t['seq_len']}, shuffled each epoch by training.seed; block-causal masks of "
-            f"{t['local_batch_size'] * t['seq_len'] ** 2 / 2**20:,.1f} MiB a step")
+    d, n, train, held = cfg["data"], cfg["training"]["seq_len"], corpus.train, corpus.held_out
+    tokens, targets, cut = train.trained(n)
+    built = f"tokenized in {train.tokens.built:.1f} s into" if train.tokens.built is not None else "read from the tokenized copy"
+    held_out = (f"{len(held):,} {kind(held)}, {corpus.held_out_from}" if held
+                else f"none ({corpus.held_out_from} of {len(train):,}: set validation.path)")
+    cut = f"; {cut:,} over seq_len cut to it" if train.conversations() else ""
+    return (f"data: {len(train):,} {kind(train)}, {tokens:,} tokens ({targets / tokens:.1%} targets) of {d['path']} "
+            f"({d['split']}; {train.tokens.skipped:,} {kind(train, 'skipped')}{cut}), {built} {d['cache_folder']}/"
+            f"{train.tokens.key} by {corpus.source}'s tokenizer ({vocabulary_size(corpus.tokenizer):,} ids); held out: "
+            f"{held_out}; {position.packed(tokens)}, shuffled each epoch by training.seed; block-causal masks of "
+            f"{cfg['training']['local_batch_size'] * n ** 2 / 2**20:,.1f} MiB a step")
 
 
 def log_tp_groups(parallel_dims, node: int, log) -> None:

@@ -33,23 +33,35 @@ def tokenizer_folder(tmp_path_factory) -> Path:
     return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
-def test_a_long_document_is_tokenized_in_pieces_with_the_ids_of_the_whole(tmp_path, tokenizer_folder, monkeypatch):
-    """Pieces of about 300 characters cut at line ends give the whole text's ids, BOS once and an EOS; a
-    SentencePiece-style tokenizer (Metaspace marks a text's start), whose pieces would differ, is whole."""
+PROSE = "".join(f"Paragraph {i} says a few words.\nIt goes on a line.\n\n\nThen a new one starts.\n\n" for i in range(200))
+
+
+def test_a_long_document_is_read_and_tokenized_in_pieces_with_the_ids_of_the_whole(tmp_path, monkeypatch):
+    """A .txt read in blocks of 1,000 bytes (characters cut by a block's end), tokenized in pieces of about 300
+    characters, gives the whole text's ids, BOS once and an EOS, with a GPT-2-style tokenizer that merges
+    "\n\n": a cut after it, before a word, would change the ids, and the probe (cuts_cleanly) catches that
+    cut. A SentencePiece-style tokenizer (Metaspace marks a text's start), whose pieces would differ, is whole."""
+    import re
+
+    import documents
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    tokenizer = AutoTokenizer.from_pretrained(make_tokenizer(tmp_path / "gpt2", 600, PROSE))
+    assert tokenizer.backend_tokenizer.encode("x.\n\n").tokens[-1] == "ĊĊ" != tokenizer.backend_tokenizer.encode("x.\n\nThen").tokens[-2]
+    monkeypatch.setattr(documents, "BLOCK", 1000)
     monkeypatch.setattr(tokens, "PIECE", 300)
     monkeypatch.setattr(tokens, "BATCH", 1000)  # several tokenizer calls, a document across them
-    text = Path(json.__file__).read_text()  # 14 KB of Python: 13 pieces
+    text = Path(json.__file__).read_text() + "Caf\u00e9 \u00fcber na\u00efve, \u20ac5\n" * 300 + PROSE  # 46 KB
     (tmp_path / "long.txt").write_text(text)
     (tmp_path / "empty.txt").write_text("")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
-    assert len(tokens.pieces(text, tokens.PIECE)) == 13 and tokens.cuts_cleanly(tokenizer)
+    assert len(list(tokens.pieces([text], tokens.PIECE))) > 50 and tokens.cuts_cleanly(tokenizer)
     long = tokens.tokenized(sorted(tmp_path.glob("*.txt")), "text", tokenizer, str(tmp_path / "cache"))
     [ids] = documents_of(data.Documents(long, np.arange(1)))
     assert ids.tolist() == tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
     assert long.skipped == 1 and ids.dtype == np.uint16
+    monkeypatch.setattr(tokens, "CUT", re.compile(r"\n(?=\S)"))  # a cut at any line end before a non-space
+    assert not tokens.cuts_cleanly(tokenizer)
 
     metaspace = Tokenizer(models.BPE())
     metaspace.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
@@ -112,8 +124,8 @@ def test_one_document_trains_and_a_validation_path_holds_out(tmp_path):
     keys = data_keys(tmp_path, tmp_path / "*.txt", "bytes")
     alone = data.prepare(keys, "", 256, 129)
     assert len(alone.train) == 1 and alone.held_out is None
-    line = report.data_line({"data": keys, **CFG}, alone)
-    assert "data: 1 documents, 3,400 tokens of " in line and "(train; 1 empty or null skipped)" in line, line
+    line = report.data_line({"data": keys, **CFG}, alone, data.training_batches(alone, CFG)[1])
+    assert "data: 1 documents, 3,400 tokens (100.0% targets) of " in line and "(train; 1 empty or null skipped)" in line, line
     assert "held out: none (every 10th document of 1: set validation.path)" in line, line
     held = data.prepare(data_keys(tmp_path, tmp_path / "book.txt", "bytes"), str(tmp_path / "held.jsonl"), 256, 129)
     assert len(held.train) == 1 and len(held.held_out) == 1 and held.held_out_from == "validation.path"

@@ -1,11 +1,14 @@
-"""Your documents tokenized once per machine, in pieces by the tokenizer's Rust batch path (every core),
-into what every rank memory-maps: tokens.bin, each document's ids end to end as raw uint16/uint32
-(nanoGPT's np.memmap shards), and starts.npy, where each document begins (Megatron's .idx). Plain
+"""Your documents or conversations tokenized once per machine, in pieces by the tokenizer's Rust batch path
+(every core), into what every rank memory-maps: tokens.bin, each one's ids end to end as raw uint16/uint32
+(nanoGPT's np.memmap shards), and starts.npy, where each begins (Megatron's .idx); for conversations also
+mask.bin, whether each token is a target (chat.py's spans), and targets.npy, their count in each. Plain
 numpy, not datasets' Arrow: a window is then a slice by offset. The copy lives in cache_folder/<key>/,
-the key a hash of the files (path, size, mtime) and the tokenizer: a change in either, a new build.
+the key a hash of the files' bytes and the tokenizer (its chat template too): a change in either, a new build.
 """
 
+import copy
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -18,83 +21,136 @@ from pathlib import Path
 
 import numpy as np
 
-from documents import DataError, read_documents
+from chat import renderer
+from documents import Conversation, DataError, read_documents
 
 PIECE = 1 << 16  # characters: a longer document is tokenized in pieces, cut where CUT matches
-CUT = re.compile(r"\n(?=\S)")  # a line end before a non-space: byte-level BPE's pre-tokenizers split there
+CUT = re.compile(r"(?<=\S)\n(?=\S)")  # a lone line end between non-spaces: byte-level pre-tokenizers split there
 BATCH = 1 << 22  # characters a tokenizer call takes, across pieces: bounds the build's memory
-FORMAT = 1  # of the files below; part of the key
+FORMAT = 2  # of the files below; part of the key
 
 
 @dataclass
 class Tokens:
-    """One split's documents, tokenized: document i is ids[starts[i] : starts[i + 1]]."""
+    """One split's documents or conversations, tokenized: number i is ids[starts[i] : starts[i + 1]]."""
     ids: np.ndarray  # memory-mapped
     starts: np.ndarray
     key: str  # the files' and tokenizer's hash: what a resume compares
-    skipped: int  # empty and null documents
+    skipped: int  # empty and null documents; conversations without an assistant turn to train
     built: float | None  # seconds the build took; None: read from the cache
+    mask: np.ndarray | None = None  # conversations: whether each token is a target, memory-mapped
+    targets: np.ndarray | None = None  # conversations: each one's count of targets
 
 
 def tokenized(source, field: str, tokenizer, cache_folder: str) -> Tokens:
-    """`source`'s documents tokenized (each with its tokenizer's special tokens and an EOS): read from
-    cache_folder, or built there first. One process of a machine builds; the others wait on a lock."""
-    key = fingerprint(source, field, tokenizer)
-    folder = Path(cache_folder) / key
+    """`source`'s documents tokenized (each with its tokenizer's special tokens and an EOS), or conversations
+    as their chat template renders them: read from cache_folder, or built there first. One process of a
+    machine builds; the others wait on a lock."""
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
+        key = fingerprint(source, field, tokenizer, Path(cache_folder))
+        folder = Path(cache_folder) / key
         with open(folder.parent / f"{key}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             built = None if (folder / "meta.json").is_file() else build(source, field, tokenizer, folder)
     except OSError as e:
         raise DataError(f"data.cache_folder = {cache_folder!r} cannot hold the tokenized copy: {e.strerror or e}") from None
     meta = json.loads((folder / "meta.json").read_text())
-    ids = np.memmap(folder / "tokens.bin", dtype=meta["dtype"], mode="r") if meta["tokens"] else np.zeros(0, np.uint16)
-    return Tokens(ids, np.load(folder / "starts.npy", mmap_mode="r"), key, meta["skipped"], built)
+    mapped = lambda name, dtype: np.memmap(folder / name, dtype=dtype, mode="r") if meta["tokens"] else np.zeros(0, dtype)  # noqa: E731
+    chats = meta["conversations"]
+    return Tokens(mapped("tokens.bin", meta["dtype"]), np.load(folder / "starts.npy", mmap_mode="r"), key, meta["skipped"],
+                  built, mapped("mask.bin", np.bool_) if chats else None, np.load(folder / "targets.npy") if chats else None)
 
 
-def fingerprint(source, field: str, tokenizer) -> str:
-    """A hash of every file's path, size and modification time, the text field, and the tokenizer."""
+def fingerprint(source, field: str, tokenizer, cache_folder: Path) -> str:
+    """A hash of every file's bytes (in path order), the text field, and the tokenizer with its chat template."""
     files = source if isinstance(source, list) else [p for f in source.cache_files for p in Path(f["filename"]).parent.iterdir()]
-    stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(files)]
-    vocabulary = "bytes" if tokenizer == "bytes" else tokenizer.backend_tokenizer.to_str()
-    text = json.dumps([FORMAT, field, stats, vocabulary, special_tokens(tokenizer), cuts_cleanly(tokenizer)])
+    vocabulary = "bytes" if tokenizer == "bytes" else plain_backend(tokenizer).to_str()
+    text = json.dumps([FORMAT, field, content_hashes(sorted(files), cache_folder), vocabulary, special_tokens(tokenizer),
+                       cuts_cleanly(tokenizer), getattr(tokenizer, "chat_template", None)])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def content_hashes(files: list[Path], cache_folder: Path) -> list[str]:
+    """Each file's SHA-256, read once per machine: cache_folder/hashes.json keeps it by the file's path, size,
+    inode, mtime and ctime, which any write changes (rsync -a, cp -p and tar x keep mtime, not ctime)."""
+    cache_folder.mkdir(parents=True, exist_ok=True)
+    with open(cache_folder / "hashes.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        memo_file = cache_folder / "hashes.json"
+        memo = json.loads(memo_file.read_text()) if memo_file.is_file() else {}
+        stats = [(p, os.stat(p)) for p in files]
+        keys = [json.dumps([str(p.resolve()), s.st_size, s.st_ino, s.st_mtime_ns, s.st_ctime_ns]) for p, s in stats]
+        for (path, _), key in zip(stats, keys):
+            if key not in memo:
+                with open(path, "rb") as f:
+                    memo[key] = hashlib.file_digest(f, "sha256").hexdigest()
+        tmp = memo_file.with_name(f"hashes.json.tmp-{socket.gethostname()}")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_file)
+    return [memo[key] for key in keys]
+
+
 def build(source, field: str, tokenizer, folder: Path) -> float:
-    """Tokenize in batches of pieces, appending to tokens.bin; then starts.npy and meta.json, and the
-    folder renamed into place: a build cut short leaves no folder a later run would read (only its .tmp-*)."""
+    """Tokenize in batches of pieces, appending to tokens.bin (and mask.bin); then starts.npy and meta.json,
+    and the folder renamed into place: a build cut short leaves no folder a later run would read."""
     start, piece = time.perf_counter(), PIECE if cuts_cleanly(tokenizer) else None
     prefix, suffix = (np.array(ids, np.int64) for ids in special_tokens(tokenizer))
-    dtype = np.uint16 if vocabulary_size(tokenizer) <= 1 << 16 else np.uint32
-    tmp = folder.with_name(f"{folder.name}.tmp-{socket.gethostname()}-{os.getpid()}")  # its own, on a shared disk too
+    dtype = np.dtype(np.uint16 if vocabulary_size(tokenizer) <= 1 << 16 else np.uint32)
+    tmp = folder.with_name(f"{folder.name}.tmp-{socket.gethostname()}")  # this machine's: we hold its lock
+    shutil.rmtree(tmp, ignore_errors=True)  # a build killed here before
     tmp.mkdir()
-    lengths, skipped, batch, chars = [], 0, [], 0  # batch: (piece, its document, its first piece?, last?)
-    with open(tmp / "tokens.bin", "wb") as out:
+    render = renderer(tokenizer, getattr(tokenizer, "name_or_path", "bytes"))
+    lengths, targets, skipped, batch, chars = [], [], 0, [], 0  # batch: (text, its number, prefix?, suffix?, spans)
+    with open(tmp / "tokens.bin", "wb") as out, open(tmp / "mask.bin", "wb") as mask_out:
         def flush():
-            for (_, doc, first, last), ids in zip(batch, encode(tokenizer, [text for text, *_ in batch])):
+            chats = batch[0][4] is not None
+            for (_, i, first, last, spans), (ids, offsets) in zip(batch, encode(tokenizer, [b[0] for b in batch], chats)):
+                if ids.max(initial=0) > np.iinfo(dtype).max:
+                    raise DataError(f"{tokenizer.name_or_path}'s tokenizer gives id {ids.max():,}, over its {dtype.name} width")
                 ids = np.concatenate([prefix] * first + [ids] + [suffix] * last)
-                lengths[doc] += len(ids)
+                lengths[i] += len(ids)
                 out.write(ids.astype(dtype).tobytes())
+                if chats:
+                    mask = np.concatenate([np.zeros(len(prefix) * first, bool), in_spans(offsets, spans),
+                                           np.ones(len(suffix) * last, bool)])
+                    targets[i] = int(mask.sum())
+                    mask_out.write(mask.tobytes())
             batch.clear()
 
-        for text in read_documents(source, field):
-            if not text:
+        def add(job):
+            nonlocal chars
+            batch.append(job)
+            chars += len(job[0])
+            if chars >= BATCH:
+                flush()
+                chars = 0
+
+        for item in read_documents(source, field):
+            if isinstance(item, Conversation):
+                if not item.trained:
+                    skipped += 1
+                    continue
+                text, spans, plain = render(item)
+                lengths.append(0)
+                targets.append(0)
+                add((text, len(lengths) - 1, plain, plain, spans))
+                continue
+            parts = pieces([item] if isinstance(item, str) else item or [], piece)
+            part, first = next(parts), True
+            if not part:
                 skipped += 1
                 continue
             lengths.append(0)
-            parts = pieces(text, piece)
-            for i, part in enumerate(parts):
-                batch.append((part, len(lengths) - 1, i == 0, i == len(parts) - 1))
-                chars += len(part)
-                if chars >= BATCH:
-                    flush()
-                    chars = 0
-        flush()
+            for after in parts:  # one piece behind: the last one takes the suffix
+                add((part, len(lengths) - 1, first, False, None))
+                part, first = after, False
+            add((part, len(lengths) - 1, first, True, None))
+        if batch:
+            flush()
     np.save(tmp / "starts.npy", np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
-    (tmp / "meta.json").write_text(json.dumps({"dtype": np.dtype(dtype).name, "documents": len(lengths),
-                                               "tokens": int(sum(lengths)), "skipped": skipped}))
+    np.save(tmp / "targets.npy", np.array(targets, np.int64))
+    (tmp / "meta.json").write_text(json.dumps({"dtype": dtype.name, "documents": len(lengths), "tokens": int(sum(lengths)),
+                                               "skipped": skipped, "conversations": bool(targets)}))
     try:
         os.replace(tmp, folder)
     except OSError:  # another node's build came first: the same ids
@@ -104,20 +160,52 @@ def build(source, field: str, tokenizer, folder: Path) -> float:
     return time.perf_counter() - start
 
 
-def pieces(text: str, size: int | None) -> list[str]:
-    """`text` cut into pieces of about `size` characters where CUT matches (None: whole)."""
-    parts, start = [], 0
-    while size and len(text) - start > size and (cut := CUT.search(text, start + size)):
-        parts.append(text[start : cut.end()])
-        start = cut.end()
-    return parts + [text[start:]]
+def pieces(chunks, size: int | None):
+    """The text of `chunks` (strings read in turn) in pieces of about `size` characters, cut where CUT
+    matches (None: whole); empty text gives one empty piece."""
+    if size is None:
+        yield "".join(chunks)
+        return
+    rest = ""
+    for chunk in chunks:
+        rest, start = rest + chunk, 0
+        while len(rest) - start > size and (cut := CUT.search(rest, start + size)):
+            yield rest[start : cut.end()]
+            start = cut.end()
+        rest = rest[start:]
+    yield rest
 
 
-def encode(tokenizer, texts: list[str]) -> list[np.ndarray]:
-    """Each text's ids without special tokens: UTF-8 bytes, or the tokenizer's batch path on every core."""
+def in_spans(offsets: np.ndarray, spans: list) -> np.ndarray:
+    """Whether each token, by its characters [start, end), holds a character of a span (as transformers'
+    assistant masks): a header's last token or the line end after an end-of-turn token does not."""
+    starts, ends = np.array(spans).T
+    last = np.searchsorted(starts, offsets[:, 1], side="left") - 1  # the last span that starts before the token ends
+    return (last >= 0) & (offsets[:, 0] < ends[np.maximum(last, 0)])
+
+
+def encode(tokenizer, texts: list[str], offsets: bool = False) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """Each text's ids without special tokens, and with `offsets` each token's [start, end) characters: UTF-8
+    bytes, or the tokenizer's batch path on every core (plain_backend's)."""
     if tokenizer == "bytes":
-        return [np.frombuffer(text.encode(), np.uint8).astype(np.int64) for text in texts]
-    return [np.array(e.ids, np.int64) for e in tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+        ids = [np.frombuffer(text.encode(), np.uint8).astype(np.int64) for text in texts]
+        chars = [np.repeat(np.arange(len(t)), [len(c.encode()) for c in t]) for t in texts] if offsets else ids
+        return [(i, np.stack([c, c + 1], 1) if offsets else None) for i, c in zip(ids, chars)]
+    backend = plain_backend(tokenizer)
+    if not offsets:
+        return [(np.array(e.ids, np.int64), None) for e in backend.encode_batch_fast(texts, add_special_tokens=False)]
+    return [(np.array(e.ids, np.int64), np.array(e.offsets, np.int64).reshape(-1, 2))
+            for e in backend.encode_batch(texts, add_special_tokens=False)]
+
+
+@functools.lru_cache(maxsize=4)
+def plain_backend(tokenizer):
+    """A copy of the tokenizer's Rust tokenizer with truncation and padding off, whatever its tokenizer.json
+    says: transformers turns them off only once the tokenizer is called."""
+    backend = copy.deepcopy(tokenizer.backend_tokenizer)
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
 
 
 def special_tokens(tokenizer) -> tuple[list[int], list[int]]:
@@ -130,15 +218,16 @@ def special_tokens(tokenizer) -> tuple[list[int], list[int]]:
     return prefix, suffix + [eos] if eos is not None and suffix[-1:] != [eos] else suffix
 
 
-PROBE = "def f(x):\n    return x\n\n\nclass A:\n\tpass\n# done.\n\n  end\n"
+PROBE = "def f(x):\n    return x\n\n\nclass A:\n\tpass\n# done.\n\nThe end\n\n  end\nof it. And\r\nmore\n"
 
 
 def cuts_cleanly(tokenizer) -> bool:
     """Whether pieces cut at CUT give the whole text's ids (byte-level BPE: yes; SentencePiece's
     Metaspace, which marks a text's start: no, so its documents are tokenized whole)."""
-    whole = encode(tokenizer, [PROBE])[0]
-    return bool(np.array_equal(np.concatenate(encode(tokenizer, pieces(PROBE, 1))), whole))
+    whole = encode(tokenizer, [PROBE])[0][0]
+    return bool(np.array_equal(np.concatenate([ids for ids, _ in encode(tokenizer, list(pieces([PROBE], 1)))]), whole))
 
 
 def vocabulary_size(tokenizer) -> int:
-    return 256 if tokenizer == "bytes" else len(tokenizer)
+    """The largest id it gives, plus one."""
+    return 256 if tokenizer == "bytes" else max(tokenizer.get_vocab().values()) + 1

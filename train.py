@@ -60,8 +60,8 @@ def main() -> None:
             report.log_tp_groups(parallel_dims, launch.node, log)
         dp_mesh = parallel_dims.get_optional_mesh("batch") if parallel_dims else None
 
-        log(report.data_line(cfg, corpus))
         data, position = training_batches(corpus, cfg, dp_mesh)  # position: what a checkpoint saves
+        log(report.data_line(cfg, corpus, position))
         model, optimizer, scheduler = build_training(cfg, device, parallel_dims, draw=not checkpoint.loads_weights(cfg))
         start_step = checkpoint.resume(cfg, model, optimizer, scheduler, position, log) if ckpt["enable"] else 0
         if start_step >= t["steps"]:
