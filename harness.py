@@ -351,3 +351,74 @@ def transformers_loss(folder: Path, x, y, position_ids, per_rank: int | None = N
         return torch.stack([losses[i : i + per_rank].sum() / (y[i : i + per_rank] != -100).sum()
                             for i in range(0, len(y), per_rank)]).mean().item()
     return (losses.sum() / (y != -100).sum()).item()
+
+
+# conversations: chat templates written here in the formats the Hub's use, and transformers' own masks ------
+
+CONVERSATION = [  # a system turn, two assistant turns
+    {"role": "system", "content": "You answer about Python's standard library in one sentence."},
+    {"role": "user", "content": "What does textwrap.dedent do?"},
+    {"role": "assistant", "content": "It removes the whitespace that every line of a text starts with."},
+    {"role": "user", "content": "And textwrap.fill?"},
+    {"role": "assistant", "content": "It wraps a paragraph to a width and joins the lines with newlines."},
+]
+REASONING = [  # Qwen3's reasoning: the template drops it from turns before the last user turn
+    {"role": "user", "content": "Is 7 prime?"},
+    {"role": "assistant", "content": "<think>\nIt has no divisor but 1 and 7.\n</think>\n\nYes."},
+    {"role": "user", "content": "Is 9?"},
+    {"role": "assistant", "content": "<think>\n3 times 3 is 9.\n</think>\n\nNo, 3 divides it."},
+]
+
+
+def chat_template(style: str, marked: bool = False) -> str:
+    """A chat template: "chatml" (Qwen2.5's format: <|im_start|>role ... <|im_end|>), "qwen3" (ChatML that
+    drops the reasoning of assistant turns before the last user turn and writes a <think> block in those
+    after it, as Qwen3's) or "llama3" (<|start_header_id|>role<|end_header_id|> ... <|eot_id|>, Llama 3's).
+    `marked`: transformers' {% generation %} marks around each assistant turn's content and end-of-turn
+    token, from which apply_chat_template(return_assistant_tokens_mask=True) makes its masks."""
+    begin, end = ("{%- generation -%}", "{%- endgeneration -%}") if marked else ("", "")
+    if style == "llama3":
+        return ("{{- bos_token -}}{%- for m in messages -%}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\n\n' -}}"
+                "{%- if m.role == 'assistant' -%}" + begin + "{{- m.content | trim + '<|eot_id|>' -}}" + end +
+                "{%- else -%}{{- m.content | trim + '<|eot_id|>' -}}{%- endif -%}{%- endfor -%}"
+                "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}")
+    reasoning = ("{%- set ns = namespace(last_user=-1) -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
+                 "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}") if style == "qwen3" else ""
+    think = ("{%- set content = m.content.split('</think>')[-1].lstrip('\n') -%}"
+             "{%- set thought = m.content.split('</think>')[0].split('<think>')[-1].strip('\n') if '</think>' in m.content else '' -%}"
+             "{%- if loop.index0 > ns.last_user -%}{{- '<think>\n' + thought + '\n</think>\n\n' -}}{%- endif -%}"
+             "{{- content -}}") if style == "qwen3" else "{{- m.content -}}"
+    return (reasoning + "{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\n' -}}"
+            "{%- if m.role == 'assistant' -%}" + begin + think + "{{- '<|im_end|>' -}}" + end +
+            "{%- else -%}{{- m.content + '<|im_end|>' -}}{%- endif -%}{{- '\n' -}}{%- endfor -%}"
+            "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}")
+
+
+def make_chat_tokenizer(folder: Path, style: str = "chatml") -> Path:
+    """make_tokenizer's, trained on the conversations' words too, with the special tokens of `style`'s format,
+    Qwen3's <think> and </think> (added, not special) and chat_template(style), saved as save_pretrained does."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(make_tokenizer(folder, 500, json.dumps(CONVERSATION + REASONING) * 20))
+    specials = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"] if style == "llama3" else ["<|im_start|>", "<|im_end|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = chat_template(style)
+    tokenizer.save_pretrained(folder)
+    if style == "llama3":  # the template in tokenizer_config.json, as older Hub folders keep it
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["chat_template"] = (folder / "chat_template.jinja").read_text()
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        (folder / "chat_template.jinja").unlink()
+    return folder
+
+
+def assistant_tokens(folder: Path, messages: list, style: str) -> tuple[list[int], list[int]]:
+    """(ids, assistant mask) as transformers makes them from chat_template(style, marked=True): the reference."""
+    from transformers import AutoTokenizer
+
+    out = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, chat_template=chat_template(style, marked=True), return_dict=True, return_assistant_tokens_mask=True)
+    return out["input_ids"], out["assistant_masks"]

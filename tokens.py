@@ -96,11 +96,13 @@ def build(source, field: str, tokenizer, folder: Path) -> float:
     start, piece = time.perf_counter(), PIECE if cuts_cleanly(tokenizer) else None
     prefix, suffix = (np.array(ids, np.int64) for ids in special_tokens(tokenizer))
     dtype = np.dtype(np.uint16 if vocabulary_size(tokenizer) <= 1 << 16 else np.uint32)
-    tmp = folder.with_name(f"{folder.name}.tmp-{socket.gethostname()}")  # this machine's: we hold its lock
-    shutil.rmtree(tmp, ignore_errors=True)  # a build killed here before
+    mine = f"{folder.name}.tmp-{socket.gethostname()}-"  # this machine's builds, on a shared disk too
+    for killed in folder.parent.glob(mine + "*"):  # we hold this machine's lock: any other was cut short
+        shutil.rmtree(killed)
+    tmp = folder.with_name(mine + str(os.getpid()))
     tmp.mkdir()
     render = renderer(tokenizer, getattr(tokenizer, "name_or_path", "bytes"))
-    lengths, targets, skipped, batch, chars = [], [], 0, [], 0  # batch: (text, its number, prefix?, suffix?, spans)
+    lengths, targets, skipped, batch, chars = [], None, 0, [], 0  # batch: (text, its number, prefix?, suffix?, spans)
     with open(tmp / "tokens.bin", "wb") as out, open(tmp / "mask.bin", "wb") as mask_out:
         def flush():
             chats = batch[0][4] is not None
@@ -127,6 +129,7 @@ def build(source, field: str, tokenizer, folder: Path) -> float:
 
         for item in read_documents(source, field):
             if isinstance(item, Conversation):
+                targets = targets or []  # a corpus of conversations
                 if not item.trained:
                     skipped += 1
                     continue
@@ -148,9 +151,9 @@ def build(source, field: str, tokenizer, folder: Path) -> float:
         if batch:
             flush()
     np.save(tmp / "starts.npy", np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
-    np.save(tmp / "targets.npy", np.array(targets, np.int64))
+    np.save(tmp / "targets.npy", np.array(targets or [], np.int64))
     (tmp / "meta.json").write_text(json.dumps({"dtype": dtype.name, "documents": len(lengths), "tokens": int(sum(lengths)),
-                                               "skipped": skipped, "conversations": bool(targets)}))
+                                               "skipped": skipped, "conversations": targets is not None}))
     try:
         os.replace(tmp, folder)
     except OSError:  # another node's build came first: the same ids
