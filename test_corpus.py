@@ -178,3 +178,100 @@ def test_a_resume_into_changed_files_is_refused_in_one_line(tmp_path):
     with pytest.raises(CheckpointError, match="was written with data.tokenized = '0123456789abcdef', this run has "
                        "'fedcba9876543210'"):
         require_same_run(tmp_path, cfg, print, position=now)
+
+
+# the data path's silent errors, each closed -------------------------------------------------------------
+
+def test_a_glob_with_double_star_reaches_every_depth(tmp_path):
+    for depth in range(4):
+        folder = tmp_path.joinpath("corpus", *["sub"] * depth)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"part{depth}.jsonl").write_text(json.dumps({"text": f"depth {depth}"}) + "\n")
+    [(_, files)] = data.splits_of(str(tmp_path / "corpus" / "**" / "*.jsonl")).items()
+    assert [f.name for f in files] == ["part0.jsonl", "part1.jsonl", "part2.jsonl", "part3.jsonl"]
+
+
+def test_the_tokenized_copy_follows_the_files_bytes(tmp_path, tokenizer_folder):
+    """A file replaced by one of the same size and modification time (rsync -a, cp -p) is tokenized again;
+    the same bytes copied to another folder are not."""
+    import os
+    import shutil
+
+    (tmp_path / "a").mkdir()
+    docs = make_documents(tmp_path / "a" / "docs.jsonl", count=30)
+    first = data.prepare(data_keys(tmp_path, docs, tokenizer_folder), "", 1000, 129)
+    stat = docs.stat()
+    docs.write_text(docs.read_text().replace("a", "b"))  # same size
+    os.utime(docs, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert docs.stat().st_size == stat.st_size and docs.stat().st_mtime_ns == stat.st_mtime_ns
+    replaced = data.prepare(data_keys(tmp_path, docs, tokenizer_folder), "", 1000, 129)
+    assert replaced.train.tokens.built is not None and replaced.train.tokens.key != first.train.tokens.key
+    assert [d.tolist() for d in documents_of(replaced.train)] != [d.tolist() for d in documents_of(first.train)]
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    copied = data.prepare(data_keys(tmp_path, tmp_path / "b" / "docs.jsonl", tokenizer_folder), "", 1000, 129)
+    assert copied.train.tokens.built is None and copied.train.tokens.key == replaced.train.tokens.key
+
+
+def test_a_build_killed_before_does_not_stop_a_later_start(tmp_path):
+    """What a build killed mid-way left, under the name a restarted container's process (same host name,
+    same pid) would build in, is removed; the copy is built."""
+    import socket
+
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "a document " * 40}) + "\n")
+    key = tokens.fingerprint([tmp_path / "docs.jsonl"], "text", "bytes", tmp_path / "cache")
+    left = tmp_path / "cache" / f"{key}.tmp-{socket.gethostname()}-{__import__('os').getpid()}"
+    left.mkdir(parents=True)
+    (left / "tokens.bin").write_bytes(b"half a build")
+    got = tokens.tokenized([tmp_path / "docs.jsonl"], "text", "bytes", str(tmp_path / "cache"))
+    assert got.built is not None and len(got.ids) == 440 and not left.exists()
+
+
+def test_a_txt_file_is_read_in_bounded_memory(tmp_path, monkeypatch):
+    """A .txt read in blocks of 1 MiB and tokenized in batches of 1M characters: Python's peak allocation
+    during the build is the same for 8 and 32 MiB files, under the 32 MiB file's size (read whole, its
+    bytes and text alone take twice that)."""
+    import tracemalloc
+
+    import documents
+
+    monkeypatch.setattr(documents, "BLOCK", 1 << 20)
+    monkeypatch.setattr(tokens, "BATCH", 1 << 20)
+    line, peaks = "a line of a long book, one of many\n", []
+    for mib in (8, 32):
+        (tmp_path / f"{mib}.txt").write_text(line * ((mib << 20) // len(line)))
+        tracemalloc.start()
+        got = tokens.tokenized([tmp_path / f"{mib}.txt"], "text", "bytes", str(tmp_path / "cache"))
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        assert len(got.ids) == (mib << 20) // len(line) * len(line)
+    assert peaks[1] < 1.25 * peaks[0] and peaks[1] < 32 << 20, f"peaks {peaks[0] / 2**20:.1f}, {peaks[1] / 2**20:.1f} MiB"
+
+
+def test_truncation_and_padding_in_tokenizer_json_are_off(tmp_path, tokenizer_folder):
+    """A tokenizer.json saved with truncation to 8 ids and padding: a fresh tokenizer's pieces keep every id."""
+    from transformers import AutoTokenizer
+
+    config = json.loads((tokenizer_folder / "tokenizer.json").read_text())
+    config["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    config["padding"] = {"strategy": {"Fixed": 16}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 1,
+                         "pad_type_id": 0, "pad_token": "</s>"}
+    (tmp_path / "truncating").mkdir()
+    (tmp_path / "truncating" / "tokenizer.json").write_text(json.dumps(config))
+    (tmp_path / "truncating" / "tokenizer_config.json").write_text((tokenizer_folder / "tokenizer_config.json").read_text())
+    text = Path(json.__file__).read_text()[:2000]
+    whole = AutoTokenizer.from_pretrained(tokenizer_folder)(text, add_special_tokens=False)["input_ids"]
+    [(ids, _)] = tokens.encode(AutoTokenizer.from_pretrained(tmp_path / "truncating"), [text])
+    assert ids.tolist() == whole and len(whole) > 16
+
+
+def test_ids_wider_than_16_bits_are_kept(tmp_path):
+    """A vocabulary of a few ids, one of them 70,000: the copy is uint32 and holds it (uint16 would wrap it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "small": 2, "big": 70_000}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="</s>", unk_token="<unk>")
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "small big small"}) + "\n")
+    got = tokens.tokenized([tmp_path / "docs.jsonl"], "text", tokenizer, str(tmp_path / "cache"))
+    assert got.ids.dtype == np.uint32 and got.ids.tolist() == [2, 70_000, 2, 1] and tokens.vocabulary_size(tokenizer) == 70_001
