@@ -8,39 +8,37 @@ must begin the whole text (templates that rewrite earlier turns, as Qwen3 strips
 only behind the last user turn). A prompt and completion given as text are not templated (as TRL's).
 """
 
+import functools
+
 from documents import Conversation, DataError
 
 PROBE = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello there."}]
 
 
-def renderer(tokenizer, source: str):
-    """render(conversation) -> (text, [(start, end) of each target span], plain): `plain` text takes the
-    tokenizer's special tokens as a document does, and its end (EOS) is a target. Checks the template once."""
-    template = None
-
-    def render(c: Conversation):
-        nonlocal template
-        if isinstance(c.messages, tuple):  # prompt and completion as text
-            prompt, completion = c.messages
-            return prompt + completion, [(len(prompt), len(prompt) + len(completion))], True
-        template = template or end_of_turn(tokenizer, source)
-        text, spans = as_text(tokenizer, c.messages, c.tools, c.where), []
-        for i in c.trained:
-            before = as_text(tokenizer, c.messages[:i], c.tools, c.where, generation_prompt=True)
-            start = len(before)
-            if not text.startswith(before) or (spans and start < spans[-1][1]):
-                raise DataError(f"{c.where}: {source}'s chat template renders the conversation before message {i + 1} "
-                                "unlike the beginning of the whole: where that turn starts is unknown")
-            end = text.find(template, start)
-            if end < 0:
-                raise DataError(f"{c.where}: {source}'s chat template writes no {template} after message {i + 1}")
-            spans.append((start, end + len(template)))
-        return text, spans, False
-    return render
+def render(c: Conversation, tokenizer) -> tuple[str, list[tuple[int, int]], bool]:
+    """(text, each target span's [start, end) characters, plain): `plain` text takes the tokenizer's special
+    tokens as a document does, and its EOS is a target; a templated one holds its own."""
+    if isinstance(c.messages, tuple):  # prompt and completion as text
+        prompt, completion = c.messages
+        return prompt + completion, [(len(prompt), len(prompt) + len(completion))], True
+    eot, source = end_of_turn(tokenizer), tokenizer.name_or_path
+    text, spans = as_text(tokenizer, c.messages, c.tools, c.where), []
+    for i in c.trained:
+        before = as_text(tokenizer, c.messages[:i], c.tools, c.where, generation_prompt=True)
+        if not text.startswith(before) or (spans and len(before) < spans[-1][1]):
+            raise DataError(f"{c.where}: {source}'s chat template renders the conversation before message {i + 1} "
+                            "unlike the beginning of the whole: where that turn starts is unknown")
+        end = text.find(eot, len(before))
+        if end < 0:
+            raise DataError(f"{c.where}: {source}'s chat template writes no {eot} after message {i + 1}")
+        spans.append((len(before), end + len(eot)))
+    return text, spans, False
 
 
-def end_of_turn(tokenizer, source: str) -> str:
+@functools.lru_cache(maxsize=4)
+def end_of_turn(tokenizer) -> str:
     """The special token the template writes after an assistant's content (<|im_end|>, <|eot_id|>, <end_of_turn>)."""
+    source = getattr(tokenizer, "name_or_path", tokenizer)
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{source}'s tokenizer has no chat template (chat_template in tokenizer_config.json, or "
                         "chat_template.jinja): conversations need one; give an instruct model's tokenizer as data.tokenizer")

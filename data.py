@@ -35,6 +35,10 @@ class Documents:
     def conversations(self) -> bool:
         return self.tokens.mask is not None
 
+    def windows(self, batch_size: int, seq_len: int, dp_mesh=None, seed: int | None = None):
+        """Its batches: documents end to end (Windows), conversations whole (Packed)."""
+        return (Packed if self.conversations() else Windows)(self, batch_size, seq_len, dp_mesh, seed)
+
     def trained(self, seq_len: int) -> tuple[int, int, int]:
         """(tokens, targets, how many are cut) of what trains: documents whole; conversations' first seq_len tokens."""
         lengths = self.lengths()
@@ -128,8 +132,7 @@ def training_batches(corpus: Corpus, cfg: dict, dp_mesh=None):
     if isinstance(corpus.train, torch.Tensor):
         generator = torch.Generator().manual_seed(t["seed"])
         return random_windows(corpus.train, rank_batch, t["seq_len"], generator, dp_mesh), generator
-    windows = (Packed if corpus.train.conversations() else Windows)(corpus.train, rank_batch, t["seq_len"], dp_mesh,
-                                                                     seed=t["seed"])
+    windows = corpus.train.windows(rank_batch, t["seq_len"], dp_mesh, seed=t["seed"])
     return iter(windows), windows
 
 
@@ -139,9 +142,7 @@ def held_out_batches(corpus: Corpus, cfg: dict, dp_mesh=None):
     if isinstance(corpus.held_out, torch.Tensor):
         generator = torch.Generator().manual_seed(t["seed"] + 1)
         return random_windows(corpus.held_out, rank_batch, t["seq_len"], generator, dp_mesh)
-    if corpus.held_out is None:
-        return None
-    return iter((Packed if corpus.held_out.conversations() else Windows)(corpus.held_out, rank_batch, t["seq_len"], dp_mesh))
+    return None if corpus.held_out is None else iter(corpus.held_out.windows(rank_batch, t["seq_len"], dp_mesh))
 
 
 # -----------------------------------------------------------------------------
@@ -269,8 +270,9 @@ class Packed:
     OPEN = 256  # windows open for more conversations at once: past that, the fullest is closed
 
     def __init__(self, documents: Documents, batch_size: int, seq_len: int, dp_mesh=None, seed: int | None = None):
-        self.ids, self.mask, self.key = documents.tokens.ids, documents.tokens.mask, f"{documents.tokens.key}/{seq_len}"
-        self.first, self.lengths = np.asarray(documents.tokens.starts)[documents.docs], np.minimum(documents.lengths(), seq_len)
+        tokens = documents.tokens
+        self.ids, self.mask, self.key = tokens.ids, tokens.mask, f"{tokens.key} in windows of {seq_len}"
+        self.first, self.lengths = np.asarray(tokens.starts)[documents.docs], np.minimum(documents.lengths(), seq_len)
         self.dp_rank, self.dp_size = dp_coordinates(dp_mesh)
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.epoch, self.window, self.packings = 0, 0, {}
@@ -324,7 +326,8 @@ class Packed:
     def packed(self, tokens: int) -> str:
         """How, for the data line: the windows of an epoch, and their share holding `tokens` (not padding)."""
         windows = len(self.packing(0)[1]) - 1
-        return f"packed whole, best fit, into {windows:,} windows of {self.seq_len} ({tokens / windows / self.seq_len:.0%} filled)"
+        filled = tokens / (windows * self.seq_len)
+        return f"packed whole, best fit, into {windows:,} windows of {self.seq_len} ({filled:.0%} filled)"
 
     def get_state(self) -> torch.Tensor:
         return torch.tensor([self.epoch, self.window])

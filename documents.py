@@ -44,8 +44,9 @@ def splits_of(path: str, key: str = "data.path") -> dict:
         except FileNotFoundError:  # datasets' EmptyDatasetError: no file at all
             found = {}
         splits = {str(name): sorted(Path(f) for f in files if Path(f).suffix in SUFFIXES) for name, files in found.items()}
-    else:  # ** reaches every depth
-        splits = {"train": sorted(p for p in map(Path, glob.glob(path, recursive=True)) if p.suffix in SUFFIXES and p.is_file())}
+    else:
+        matches = map(Path, glob.glob(path, recursive=True))  # ** reaches every depth
+        splits = {"train": sorted(p for p in matches if p.suffix in SUFFIXES and p.is_file())}
     splits = {name: files for name, files in splits.items() if files}
     if not splits:
         raise DataError(f"{key} = {path!r} matches no {', '.join(SUFFIXES)} file")

@@ -385,7 +385,8 @@ def chat_template(style: str, marked: bool = False) -> str:
     reasoning = ("{%- set ns = namespace(last_user=-1) -%}{%- for m in messages -%}{%- if m.role == 'user' -%}"
                  "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}") if style == "qwen3" else ""
     think = ("{%- set content = m.content.split('</think>')[-1].lstrip('\n') -%}"
-             "{%- set thought = m.content.split('</think>')[0].split('<think>')[-1].strip('\n') if '</think>' in m.content else '' -%}"
+             "{%- set thought = m.content.split('</think>')[0].split('<think>')[-1].strip('\n') "
+             "if '</think>' in m.content else '' -%}"
              "{%- if loop.index0 > ns.last_user -%}{{- '<think>\n' + thought + '\n</think>\n\n' -}}{%- endif -%}"
              "{{- content -}}") if style == "qwen3" else "{{- m.content -}}"
     return (reasoning + "{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\n' -}}"
@@ -402,7 +403,7 @@ def make_chat_tokenizer(folder: Path, style: str = "chatml") -> Path:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(make_tokenizer(folder, 500, json.dumps(CONVERSATION + REASONING) * 20))
-    specials = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"] if style == "llama3" else ["<|im_start|>", "<|im_end|>"]
+    specials = {"llama3": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}.get(style, ["<|im_start|>", "<|im_end|>"])
     tokenizer.add_special_tokens({"additional_special_tokens": specials})
     tokenizer.add_tokens(["<think>", "</think>"])
     tokenizer.chat_template = chat_template(style)

@@ -40,7 +40,7 @@ def data_line(cfg: dict, corpus, position) -> str:
         return f"data: {len(corpus.train):,} train bytes, {len(corpus.held_out):,} held-out bytes of the Python stdlib"
     d, n, train, held = cfg["data"], cfg["training"]["seq_len"], corpus.train, corpus.held_out
     tokens, targets, cut = train.trained(n)
-    built = f"tokenized in {train.tokens.built:.1f} s into" if train.tokens.built is not None else "read from the tokenized copy"
+    built = "read from the tokenized copy" if train.tokens.built is None else f"tokenized in {train.tokens.built:.1f} s into"
     held_out = (f"{len(held):,} {kind(held)}, {corpus.held_out_from}" if held
                 else f"none ({corpus.held_out_from} of {len(train):,}: set validation.path)")
     cut = f"; {cut:,} over seq_len cut to it" if train.conversations() else ""

@@ -48,7 +48,8 @@ def test_a_long_document_is_read_and_tokenized_in_pieces_with_the_ids_of_the_who
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     tokenizer = AutoTokenizer.from_pretrained(make_tokenizer(tmp_path / "gpt2", 600, PROSE))
-    assert tokenizer.backend_tokenizer.encode("x.\n\n").tokens[-1] == "ĊĊ" != tokenizer.backend_tokenizer.encode("x.\n\nThen").tokens[-2]
+    tokens_of = lambda text: tokenizer.backend_tokenizer.encode(text).tokens  # noqa: E731
+    assert tokens_of("x.\n\n")[-1] == "ĊĊ" != tokens_of("x.\n\nThen")[-2]
     monkeypatch.setattr(documents, "BLOCK", 1000)
     monkeypatch.setattr(tokens, "PIECE", 300)
     monkeypatch.setattr(tokens, "BATCH", 1000)  # several tokenizer calls, a document across them
@@ -218,6 +219,7 @@ def test_a_build_killed_before_does_not_stop_a_later_start(tmp_path):
     import socket
 
     (tmp_path / "docs.jsonl").write_text(json.dumps({"text": "a document " * 40}) + "\n")
+    (tmp_path / "cache").mkdir()
     key = tokens.fingerprint([tmp_path / "docs.jsonl"], "text", "bytes", tmp_path / "cache")
     left = tmp_path / "cache" / f"{key}.tmp-{socket.gethostname()}-{__import__('os').getpid()}"
     left.mkdir(parents=True)

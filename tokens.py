@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from chat import renderer
+from chat import render
 from documents import Conversation, DataError, read_documents
 
 PIECE = 1 << 16  # characters: a longer document is tokenized in pieces, cut where CUT matches
@@ -45,25 +45,26 @@ class Tokens:
 def tokenized(source, field: str, tokenizer, cache_folder: str) -> Tokens:
     """`source`'s documents tokenized (each with its tokenizer's special tokens and an EOS), or conversations
     as their chat template renders them: read from cache_folder, or built there first. One process of a
-    machine builds; the others wait on a lock."""
+    machine hashes and builds; the others wait on its lock."""
     try:
-        key = fingerprint(source, field, tokenizer, Path(cache_folder))
-        folder = Path(cache_folder) / key
-        with open(folder.parent / f"{key}.lock", "w") as lock:
+        Path(cache_folder).mkdir(parents=True, exist_ok=True)
+        with open(Path(cache_folder) / "lock", "w") as lock:  # this machine's
             fcntl.flock(lock, fcntl.LOCK_EX)
+            folder = Path(cache_folder) / fingerprint(source, field, tokenizer, Path(cache_folder))
             built = None if (folder / "meta.json").is_file() else build(source, field, tokenizer, folder)
     except OSError as e:
         raise DataError(f"data.cache_folder = {cache_folder!r} cannot hold the tokenized copy: {e.strerror or e}") from None
     meta = json.loads((folder / "meta.json").read_text())
-    mapped = lambda name, dtype: np.memmap(folder / name, dtype=dtype, mode="r") if meta["tokens"] else np.zeros(0, dtype)  # noqa: E731
-    chats = meta["conversations"]
-    return Tokens(mapped("tokens.bin", meta["dtype"]), np.load(folder / "starts.npy", mmap_mode="r"), key, meta["skipped"],
-                  built, mapped("mask.bin", np.bool_) if chats else None, np.load(folder / "targets.npy") if chats else None)
+    mapped = lambda name, dtype: np.memmap(folder / name, dtype, "r") if meta["tokens"] else np.zeros(0, dtype)  # noqa: E731
+    chats, starts = meta["conversations"], np.load(folder / "starts.npy", mmap_mode="r")
+    return Tokens(mapped("tokens.bin", meta["dtype"]), starts, folder.name, meta["skipped"], built,
+                  mapped("mask.bin", np.bool_) if chats else None, np.load(folder / "targets.npy") if chats else None)
 
 
 def fingerprint(source, field: str, tokenizer, cache_folder: Path) -> str:
     """A hash of every file's bytes (in path order), the text field, and the tokenizer with its chat template."""
-    files = source if isinstance(source, list) else [p for f in source.cache_files for p in Path(f["filename"]).parent.iterdir()]
+    files = source if isinstance(source, list) else [p for f in source.cache_files
+                                                      for p in Path(f["filename"]).parent.iterdir()]  # a datasets folder
     vocabulary = "bytes" if tokenizer == "bytes" else plain_backend(tokenizer).to_str()
     text = json.dumps([FORMAT, field, content_hashes(sorted(files), cache_folder), vocabulary, special_tokens(tokenizer),
                        cuts_cleanly(tokenizer), getattr(tokenizer, "chat_template", None)])
@@ -73,20 +74,17 @@ def fingerprint(source, field: str, tokenizer, cache_folder: Path) -> str:
 def content_hashes(files: list[Path], cache_folder: Path) -> list[str]:
     """Each file's SHA-256, read once per machine: cache_folder/hashes.json keeps it by the file's path, size,
     inode, mtime and ctime, which any write changes (rsync -a, cp -p and tar x keep mtime, not ctime)."""
-    cache_folder.mkdir(parents=True, exist_ok=True)
-    with open(cache_folder / "hashes.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        memo_file = cache_folder / "hashes.json"
-        memo = json.loads(memo_file.read_text()) if memo_file.is_file() else {}
-        stats = [(p, os.stat(p)) for p in files]
-        keys = [json.dumps([str(p.resolve()), s.st_size, s.st_ino, s.st_mtime_ns, s.st_ctime_ns]) for p, s in stats]
-        for (path, _), key in zip(stats, keys):
-            if key not in memo:
-                with open(path, "rb") as f:
-                    memo[key] = hashlib.file_digest(f, "sha256").hexdigest()
-        tmp = memo_file.with_name(f"hashes.json.tmp-{socket.gethostname()}")
-        tmp.write_text(json.dumps(memo))
-        os.replace(tmp, memo_file)
+    memo_file = cache_folder / "hashes.json"
+    memo = json.loads(memo_file.read_text()) if memo_file.is_file() else {}
+    stats = {p: os.stat(p) for p in files}
+    keys = [json.dumps([str(p.resolve()), s.st_size, s.st_ino, s.st_mtime_ns, s.st_ctime_ns]) for p, s in stats.items()]
+    for path, key in zip(files, keys):
+        if key not in memo:
+            with open(path, "rb") as f:
+                memo[key] = hashlib.file_digest(f, "sha256").hexdigest()
+    tmp = memo_file.with_name(f"hashes.json.tmp-{socket.gethostname()}")  # on a shared disk, another node's
+    tmp.write_text(json.dumps(memo))
+    os.replace(tmp, memo_file)
     return [memo[key] for key in keys]
 
 
@@ -101,7 +99,6 @@ def build(source, field: str, tokenizer, folder: Path) -> float:
         shutil.rmtree(killed)
     tmp = folder.with_name(mine + str(os.getpid()))
     tmp.mkdir()
-    render = renderer(tokenizer, getattr(tokenizer, "name_or_path", "bytes"))
     lengths, targets, skipped, batch, chars = [], None, 0, [], 0  # batch: (text, its number, prefix?, suffix?, spans)
     with open(tmp / "tokens.bin", "wb") as out, open(tmp / "mask.bin", "wb") as mask_out:
         def flush():
@@ -133,7 +130,7 @@ def build(source, field: str, tokenizer, folder: Path) -> float:
                 if not item.trained:
                     skipped += 1
                     continue
-                text, spans, plain = render(item)
+                text, spans, plain = render(item, tokenizer)
                 lengths.append(0)
                 targets.append(0)
                 add((text, len(lengths) - 1, plain, plain, spans))
