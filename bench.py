@@ -298,7 +298,11 @@ def main() -> None:
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--data", help="time the data path alone on these documents (data.path), nothing else")
     parser.add_argument("--tokenizer", default="bytes", help="with --data: data.tokenizer")
+    parser.add_argument("--make-conversations", nargs=2, metavar=("COUNT", "PATH"),
+                        help="write COUNT conversations from the standard library's docstrings to PATH, nothing else")
     args, args.override_args = parser.parse_known_args()
+    if args.make_conversations:
+        return make_conversations(args.make_conversations[1], int(args.make_conversations[0]))
     if args.data:
         return bench_data(args.data, args.tokenizer, args.seq_len, args.batch)
     try:  # the rest: train.py's --section.key value overrides, read by its parser
@@ -345,9 +349,10 @@ def main() -> None:
 
 
 def bench_data(path: str, tokenizer: str, seq_len: int, batch: int, seconds: float = 10.0) -> None:
-    """data.prepare into an empty cache (the first run: tokenization's tokens/s, and the cores it kept busy:
-    CPU seconds / wall seconds), again from the cache (start-up), then batches from the memory map for
-    `seconds` on one thread: the data path's tokens/s per rank."""
+    """data.prepare into an empty cache (the first run: tokenization's tokens/s, chat templates rendered
+    included, and the cores it kept busy: CPU seconds / wall seconds), again from the cache (start-up), then
+    batches from the memory map for `seconds` on one thread: the data path's tokens/s per rank, the share
+    of them that are targets, and for conversations the time to pack an epoch."""
     import resource
 
     import torch
@@ -364,17 +369,49 @@ def bench_data(path: str, tokenizer: str, seq_len: int, batch: int, seconds: flo
             wall, cpu, tokens = time.perf_counter() - wall, time.process_time() - cpu, corpus.train.tokens
             built = f"; tokenized {tokens.ids.size:,} tokens in {tokens.built:.2f} s: {tokens.ids.size / tokens.built:,.0f} " \
                     f"tokens/s on {cpu / wall:.2f} cores" if tokens.built else ""
-            print(f"{run}: prepare {wall:.2f} s, {len(corpus.train):,} training documents{built}; "
+            print(f"{run}: prepare {wall:.2f} s, {len(corpus.train):,} training {data.kind(corpus.train)}{built}; "
                   f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:,.0f} MiB", flush=True)
-        windows, count, start = iter(data.Windows(corpus.train, batch, seq_len, seed=0)), 0, time.perf_counter()
+        source = corpus.train.windows(batch, seq_len, seed=0)
+        if corpus.train.conversations():
+            tokens, start = corpus.train.trained(seq_len)[0], time.perf_counter()
+            print(f"epoch 0 {source.packed(tokens)} in {time.perf_counter() - start:.2f} s")
+        windows, count, targets, start = iter(source), 0, 0, time.perf_counter()
         while time.perf_counter() - start < seconds:
-            next(windows)
+            targets += int((next(windows)[1] != data.IGNORED).sum())
             count += 1
         elapsed = time.perf_counter() - start
         print(f"windows of {seq_len} x {batch}: {count:,} batches in {elapsed:.1f} s, "
-              f"{count * batch * seq_len / elapsed:,.0f} tokens/s on one thread")
+              f"{count * batch * seq_len / elapsed:,.0f} tokens/s on one thread, {targets / (count * batch * seq_len):.1%} "
+              "of them targets")
     finally:
         shutil.rmtree(cache, ignore_errors=True)
+
+
+def make_conversations(path: str, count: int) -> None:
+    """`count` conversations as JSON lines of messages, from the standard library's docstrings: a system turn,
+    then one to three questions about a function or class, each answered by a paragraph of its docstring."""
+    import ast
+    import json
+    import random
+    import sysconfig
+
+    answers = []
+    for file in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            tree = ast.parse(file.read_text(errors="replace"))
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and (doc := ast.get_docstring(node)):
+                answers += [(f"{file.stem}.{node.name}", part.strip()) for part in doc.split("\n\n") if part.strip()]
+    rng, lines = random.Random(0), []
+    for _ in range(count):
+        turns = [{"role": "system", "content": "You explain Python's standard library, briefly."}]
+        for name, answer in rng.sample(answers, rng.randint(1, 3)):
+            turns += [{"role": "user", "content": f"What about {name}?"}, {"role": "assistant", "content": answer}]
+        lines.append(json.dumps({"messages": turns}))
+    Path(path).write_text("\n".join(lines) + "\n")
+    print(f"wrote {count:,} conversations from {len(answers):,} docstring paragraphs to {path}")
 
 
 if __name__ == "__main__":

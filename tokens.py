@@ -89,9 +89,9 @@ def content_hashes(files: list[Path], cache_folder: Path) -> list[str]:
 
 
 def build(source, field: str, tokenizer, folder: Path) -> float:
-    """Tokenize in batches of pieces, appending to tokens.bin (and mask.bin); then starts.npy and meta.json,
+    """Tokenize in batches (`jobs`), appending to tokens.bin (and mask.bin); then starts.npy and meta.json,
     and the folder renamed into place: a build cut short leaves no folder a later run would read."""
-    start, piece = time.perf_counter(), PIECE if cuts_cleanly(tokenizer) else None
+    start, counts = time.perf_counter(), {"skipped": 0, "conversations": False}
     prefix, suffix = (np.array(ids, np.int64) for ids in special_tokens(tokenizer))
     dtype = np.dtype(np.uint16 if vocabulary_size(tokenizer) <= 1 << 16 else np.uint32)
     mine = f"{folder.name}.tmp-{socket.gethostname()}-"  # this machine's builds, on a shared disk too
@@ -99,58 +99,27 @@ def build(source, field: str, tokenizer, folder: Path) -> float:
         shutil.rmtree(killed)
     tmp = folder.with_name(mine + str(os.getpid()))
     tmp.mkdir()
-    lengths, targets, skipped, batch, chars = [], None, 0, [], 0  # batch: (text, its number, prefix?, suffix?, spans)
+    lengths, targets = [], []  # of each document or conversation
     with open(tmp / "tokens.bin", "wb") as out, open(tmp / "mask.bin", "wb") as mask_out:
-        def flush():
+        for batch in batches(jobs(source, field, tokenizer, counts)):
             chats = batch[0][4] is not None
-            for (_, i, first, last, spans), (ids, offsets) in zip(batch, encode(tokenizer, [b[0] for b in batch], chats)):
+            for (_, i, first, last, spans), (ids, offsets) in zip(batch, encode(tokenizer, [j[0] for j in batch], chats)):
                 if ids.max(initial=0) > np.iinfo(dtype).max:
                     raise DataError(f"{tokenizer.name_or_path}'s tokenizer gives id {ids.max():,}, over its {dtype.name} width")
                 ids = np.concatenate([prefix] * first + [ids] + [suffix] * last)
-                lengths[i] += len(ids)
                 out.write(ids.astype(dtype).tobytes())
-                if chats:
+                if i == len(lengths):  # its first piece
+                    lengths.append(0)
+                lengths[i] += len(ids)
+                if chats:  # a whole conversation; the special tokens of a plain one
                     mask = np.concatenate([np.zeros(len(prefix) * first, bool), in_spans(offsets, spans),
                                            np.ones(len(suffix) * last, bool)])
-                    targets[i] = int(mask.sum())
+                    targets.append(int(mask.sum()))
                     mask_out.write(mask.tobytes())
-            batch.clear()
-
-        def add(job):
-            nonlocal chars
-            batch.append(job)
-            chars += len(job[0])
-            if chars >= BATCH:
-                flush()
-                chars = 0
-
-        for item in read_documents(source, field):
-            if isinstance(item, Conversation):
-                targets = targets or []  # a corpus of conversations
-                if not item.trained:
-                    skipped += 1
-                    continue
-                text, spans, plain = render(item, tokenizer)
-                lengths.append(0)
-                targets.append(0)
-                add((text, len(lengths) - 1, plain, plain, spans))
-                continue
-            parts = pieces([item] if isinstance(item, str) else item or [], piece)
-            part, first = next(parts), True
-            if not part:
-                skipped += 1
-                continue
-            lengths.append(0)
-            for after in parts:  # one piece behind: the last one takes the suffix
-                add((part, len(lengths) - 1, first, False, None))
-                part, first = after, False
-            add((part, len(lengths) - 1, first, True, None))
-        if batch:
-            flush()
     np.save(tmp / "starts.npy", np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
-    np.save(tmp / "targets.npy", np.array(targets or [], np.int64))
+    np.save(tmp / "targets.npy", np.array(targets, np.int64))
     (tmp / "meta.json").write_text(json.dumps({"dtype": dtype.name, "documents": len(lengths), "tokens": int(sum(lengths)),
-                                               "skipped": skipped, "conversations": targets is not None}))
+                                               **counts}))
     try:
         os.replace(tmp, folder)
     except OSError:  # another node's build came first: the same ids
@@ -158,6 +127,46 @@ def build(source, field: str, tokenizer, folder: Path) -> float:
         if not (folder / "meta.json").is_file():
             raise
     return time.perf_counter() - start
+
+
+def jobs(source, field: str, tokenizer, counts: dict):
+    """What to tokenize, in order: (text, its document's number, prefix?, suffix?, target spans or None):
+    a document in pieces (cut if the tokenizer cuts cleanly), a conversation whole (chat.render). Counts
+    what is skipped (empty or null; no assistant turn to train), and whether these are conversations."""
+    piece, number = PIECE if cuts_cleanly(tokenizer) else None, 0
+    for item in read_documents(source, field):
+        if isinstance(item, Conversation):
+            counts["conversations"] = True
+            if not item.trained:
+                counts["skipped"] += 1
+                continue
+            text, spans, plain = render(item, tokenizer)
+            yield text, number, plain, plain, spans
+            number += 1
+            continue
+        parts = pieces([item] if isinstance(item, str) else item or [], piece)
+        part, first = next(parts), True
+        if not part:
+            counts["skipped"] += 1
+            continue
+        for after in parts:  # one piece behind: the last one takes the suffix
+            yield part, number, first, False, None
+            part, first = after, False
+        yield part, number, first, True, None
+        number += 1
+
+
+def batches(jobs):
+    """`jobs` in lists of BATCH characters or more."""
+    batch, chars = [], 0
+    for job in jobs:
+        batch.append(job)
+        chars += len(job[0])
+        if chars >= BATCH:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
 
 
 def pieces(chunks, size: int | None):
