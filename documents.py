@@ -74,7 +74,7 @@ def records(source, field: str):
     if not isinstance(source, list):  # a datasets.Dataset
         columns, where = chosen_columns(source.column_names, field, "the datasets folder"), "the datasets folder"
         for batch in source.select_columns(columns).iter(batch_size=1000):
-            yield from ((record_item(dict(zip(columns, row)), field, where), where) for row in zip(*batch.values()))
+            yield from ((record_item(dict(zip(columns, row)), field, where), where) for row in zip(*map(batch.get, columns)))
         return
     for file in source:
         if file.suffix == ".txt":

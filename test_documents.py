@@ -421,10 +421,23 @@ def test_a_run_killed_after_a_save_resumes_at_the_same_document_and_token(files,
 
 def test_every_kind_of_data_path_gives_the_same_documents(files, tmp_path):
     """A folder or glob of .txt (a document per file), .jsonl, .parquet and a datasets folder
-    (save_to_disk, other columns beside `text`): the same documents in the same order."""
+    (save_to_disk, other columns beside `text`): the same documents in the same order; and the same
+    conversations from JSON lines, parquet and a datasets folder (messages with a tool call, prompt-completion)."""
     import datasets
 
     from documents import read_documents, splits_of
+    from harness import CONVERSATION
+
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    chats = [{"messages": CONVERSATION + [call, {"role": "tool", "content": "done"}], "prompt": "unused"}] * 3
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    datasets.Dataset.from_list(chats).to_parquet(str(tmp_path / "chats.parquet"))
+    datasets.Dataset.from_list(chats).save_to_disk(str(tmp_path / "chats"))
+    drop_nones = lambda m: {k: v for k, v in m.items() if v is not None}  # noqa: E731 (Arrow's missing keys)
+    for path in ("chats.jsonl", "chats.parquet", "chats"):
+        [(_, source)] = splits_of(str(tmp_path / path)).items()
+        got = [([drop_nones(m) for m in c.messages], c.trained) for c in read_documents(source, "text")]
+        assert got == [(chats[0]["messages"], (2, 4, 5))] * 3, path
 
     texts = [json.loads(line)["text"] for line in files["docs"].read_text().splitlines()]
     (tmp_path / "txt").mkdir()
