@@ -208,6 +208,20 @@ def again_if_a_rank_died_of_a_signal(launch, fresh_each_time: bool = False) -> s
     return proc
 
 
+def _killed_after_save(step: int, *train_args: str) -> int:
+    """torchrun of train.py, every process of it killed by SIGKILL once rank 0 logs that `step` is saved: its
+    return code (-9 when killed then)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with subprocess.Popen(_torchrun_cmd(*train_args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          env=env, start_new_session=True) as proc:
+        for line in proc.stdout:
+            if f"checkpoint: saved step {step}" in line:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+        proc.wait(timeout=60)
+    return proc.returncode
+
+
 def _config_error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("config error:")]
 

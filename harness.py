@@ -205,6 +205,19 @@ def forget_the_last_model() -> None:
     _redistribute._gen_transform_infos.cache_clear()
 
 
+class DpMesh:
+    """What data.Windows and data.Packed read of a dp mesh: dp rank `rank` of `size`."""
+
+    def __init__(self, rank: int, size: int = 2):
+        self.rank, self.dp_size = rank, size
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+    def size(self) -> int:
+        return self.dp_size
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,9 +3,7 @@ template, the assistant's tokens (content and end-of-turn) the only targets, pac
 transformers' own assistant masks, from the same templates with {% generation %} marks (harness.py)."""
 
 import json
-import os
 import signal
-import subprocess
 
 import numpy as np
 import pytest
@@ -13,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import data
-from conftest import _torchrun, _torchrun_cmd, free_port
-from harness import CONVERSATION, REASONING, assistant_tokens, make_chat_tokenizer, make_hub_llama, make_tokenizer
+from conftest import _killed_after_save, _torchrun, free_port
+from harness import CONVERSATION, REASONING, DpMesh, assistant_tokens, make_chat_tokenizer, make_hub_llama, make_tokenizer
 from test_checkpoint import _step_values
 
 CFG = {"training": {"seed": 42, "seq_len": 256, "local_batch_size": 2, "global_batch_size": -1}, "parallelism": {"dp_shard": 1}}
@@ -92,18 +90,8 @@ def test_conversations_are_packed_whole_and_a_long_one_is_cut_and_counted(tmp_pa
     assert seen == Counter(tuple(ids[:256]) for ids, _ in conversations_of(corpus.train))
     assert count <= 55 * 0.6, f"{count} windows: best fit puts two short conversations in most"
 
-    class Mesh:
-        def __init__(self, rank):
-            self.rank = rank
-
-        def get_local_rank(self):
-            return self.rank
-
-        def size(self):
-            return 2
-
     one = iter(data.Packed(corpus.train, 4, 256, seed=42))
-    ranks = [iter(data.Packed(corpus.train, 2, 256, Mesh(r), seed=42)) for r in (0, 1)]
+    ranks = [iter(data.Packed(corpus.train, 2, 256, DpMesh(r), seed=42)) for r in (0, 1)]
     for _ in range(30):  # several epochs
         batch = next(one)
         for r, it in enumerate(ranks):
@@ -206,15 +194,7 @@ def test_a_conversation_run_killed_after_a_save_resumes_exactly(chat_run):
     args = [*RUN, "--checkpoint.initial_load_path", str(chat_run.folder), "--data.path", str(chat_run.root / "chat.jsonl"),
             "--data.cache_folder", str(chat_run.root / "tokenized"), "--checkpoint.folder", str(chat_run.root / "killed"),
             "--checkpoint.interval", "2"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with subprocess.Popen(_torchrun_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                          start_new_session=True) as proc:
-        for line in proc.stdout:
-            if "checkpoint: saved step 2" in line:
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "the run ended before its step-2 save"
+    assert _killed_after_save(2, *args) == -signal.SIGKILL, "the run ended before its step-2 save"
     again = _torchrun(*args)
     assert again.returncode == 0 and "checkpoint: loaded step 2" in again.stdout, again.stderr[-3000:]
     assert _step_values(again.stdout) == pytest.approx({s: v for s, v in _step_values(whole).items() if s > 2}, abs=1e-6)

@@ -12,7 +12,7 @@ import torch
 
 import data
 import tokens
-from harness import make_documents, make_tokenizer
+from harness import DpMesh, make_documents, make_tokenizer
 
 CFG = {"training": {"seed": 42, "seq_len": 64, "local_batch_size": 2, "global_batch_size": -1},
        "parallelism": {"dp_shard": 1}}
@@ -142,19 +142,9 @@ def test_shuffled_epochs_differ_and_dp_ranks_share_one_processs_global_batch(tmp
     orders = [windows.order(epoch)[0] for epoch in (0, 1)]
     assert sorted(orders[0]) == sorted(orders[1]) == list(range(36)) and not np.array_equal(*orders)
 
-    class Mesh:  # what Windows reads of a dp mesh
-        def __init__(self, rank):
-            self.rank = rank
-
-        def get_local_rank(self):
-            return self.rank
-
-        def size(self):
-            return 2
-
     whole_stream = data.Windows(got.train, 4, 64, seed=42)
     one = iter(whole_stream)
-    ranks = [iter(data.Windows(got.train, 2, 64, Mesh(rank), seed=42)) for rank in (0, 1)]
+    ranks = [iter(data.Windows(got.train, 2, 64, DpMesh(rank), seed=42)) for rank in (0, 1)]
     for _ in range(12):  # several epochs of 30 tokens a document
         whole = next(one)
         for rank, it in enumerate(ranks):

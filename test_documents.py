@@ -3,17 +3,15 @@ with block-causal masks under TP + SP, the loss per target token, the data posit
 and the one-line refusals. Folders, tokenizer and documents are made here (harness.py)."""
 
 import json
-import os
 import re
 import signal
-import subprocess
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import TP, _losses, _torchrun, _torchrun_cmd, assert_every_gradient_matches, small_config, spawn
+from conftest import TP, _killed_after_save, _losses, _torchrun, assert_every_gradient_matches, small_config, spawn
 from harness import (free_port, join_gloo, make_documents, make_hub_llama, make_tokenizer, packed_batch,
                      transformers_loss, whole_gradients)
 
@@ -400,15 +398,7 @@ def test_a_run_killed_after_a_save_resumes_at_the_same_document_and_token(files,
     tokens = int(re.search(r"data: 11 documents, ([\d,]+) tokens", whole.stdout).group(1).replace(",", ""))
     assert 3 * 2 * 64 < tokens < 6 * 2 * 64, f"{tokens} tokens: the resumed steps do not begin a new epoch"
     resumed = [*args, "--checkpoint.folder", str(tmp_path / "killed"), "--checkpoint.interval", "3"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    with subprocess.Popen(_torchrun_cmd(*resumed), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                          env=env, start_new_session=True) as proc:
-        for line in proc.stdout:
-            if "checkpoint: saved step 3" in line:
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "the run ended before its step-3 save"
+    assert _killed_after_save(3, *resumed) == -signal.SIGKILL, "the run ended before its step-3 save"
     again = _torchrun(*resumed)
     assert again.returncode == 0 and "checkpoint: loaded step 3" in again.stdout, again.stderr[-3000:]
     assert _losses(again.stdout) == pytest.approx(_losses(whole.stdout)[3:], abs=1e-6)
