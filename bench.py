@@ -365,7 +365,7 @@ def bench_data(path: str, tokenizer: str, seq_len: int, batch: int, seconds: flo
     try:
         for run in ("first run", "cached"):
             wall, cpu = time.perf_counter(), time.process_time()
-            corpus = data.prepare(keys, "", 1 << 40, seq_len * batch + 1)
+            corpus = data.prepare(keys, "", 1 << 40, batch, seq_len)
             wall, cpu, tokens = time.perf_counter() - wall, time.process_time() - cpu, corpus.train.tokens
             built = f"; tokenized {tokens.ids.size:,} tokens in {tokens.built:.2f} s: {tokens.ids.size / tokens.built:,.0f} " \
                     f"tokens/s on {cpu / wall:.2f} cores" if tokens.built else ""

@@ -39,15 +39,22 @@ class Documents:
         """Its batches: documents end to end (Windows), conversations whole (Packed)."""
         return (Packed if self.conversations() else Windows)(self, batch_size, seq_len, dp_mesh, seed)
 
-    def trained(self, seq_len: int) -> tuple[int, int, int]:
-        """(tokens, targets, how many are cut) of what trains: documents whole; conversations' first seq_len tokens."""
+    def trained(self, seq_len: int) -> tuple[int, int, int, int]:
+        """(tokens, targets, how many are cut, of those how many left out) of what trains: documents whole;
+        conversations' first seq_len tokens, those with a target in them (Packed's)."""
         lengths = self.lengths()
         if not self.conversations():
-            return int(lengths.sum()), int(lengths.sum()) - len(self), 0  # a document's first token is no target
-        targets, cut = self.tokens.targets[self.docs].copy(), np.flatnonzero(lengths > seq_len)
+            return int(lengths.sum()), int(lengths.sum()) - len(self), 0, 0  # a document's first token is no target
+        targets = self.targets_within(seq_len)
+        return (int(np.minimum(lengths, seq_len)[targets > 0].sum()), int(targets.sum()), int((lengths > seq_len).sum()),
+                int((targets == 0).sum()))
+
+    def targets_within(self, seq_len: int) -> np.ndarray:
+        """Conversations': each one's targets in its first seq_len tokens."""
+        targets, cut = self.tokens.targets[self.docs].copy(), np.flatnonzero(self.lengths() > seq_len)
         first = np.asarray(self.tokens.starts)[self.docs[cut]]
         targets[cut] = [int(self.tokens.mask[f : f + seq_len].sum()) for f in first]
-        return int(np.minimum(lengths, seq_len).sum()), int(targets.sum()), len(cut)
+        return targets
 
 
 @dataclass
@@ -59,9 +66,10 @@ class Corpus:
     held_out_from: str = "every 10th file"
 
 
-def prepare(d: dict, validation_path: str, vocab_size: int, batch_tokens: int) -> Corpus:
-    """[data] checked against the model's vocabulary and one global batch's tokens, on every rank before any
-    process group (each problem one DataError line); your documents tokenized, or read from the cache."""
+def prepare(d: dict, validation_path: str, vocab_size: int, batch_size: int, seq_len: int) -> Corpus:
+    """[data] checked against the model's vocabulary and one global batch (`batch_size` windows of seq_len), on
+    every rank before any process group (each problem one DataError line); your documents tokenized, or read
+    from the cache."""
     source, path = d["tokenizer"], d["path"]
     if not path:
         if source and source != "bytes":
@@ -91,10 +99,12 @@ def prepare(d: dict, validation_path: str, vocab_size: int, batch_tokens: int) -
         train, held_out = Documents(train, every[every % 10 != 9]), Documents(train, every[9::10])
     if len(held_out) and held_out.conversations() != train.conversations():
         raise DataError(f"data.path = {path!r} and its held-out {how} are not both documents or both conversations")
-    need = "one" if train.conversations() else f"one global batch's {batch_tokens:,}"  # conversations repeat to fill it
-    if (have := int(train.lengths().sum())) < (1 if train.conversations() else batch_tokens):
-        raise DataError(f"data.path = {path!r} holds {have:,} training tokens ({len(train):,} {kind(train)}, "
-                        f"{train.tokens.skipped:,} {kind(train, 'skipped')}; held out: {how}), fewer than {need}")
+    tokens, _, _, lost = train.trained(seq_len)
+    if tokens < (1 if train.conversations() else batch_size * seq_len + 1):  # conversations repeat to fill a batch
+        need = "one" if train.conversations() else f"one global batch's {batch_size * seq_len + 1:,}"
+        left_out = f", {lost:,} with no target in their first {seq_len}" if lost else ""
+        raise DataError(f"data.path = {path!r} holds {tokens:,} training tokens ({len(train):,} {kind(train)}, "
+                        f"{train.tokens.skipped:,} {kind(train, 'skipped')}{left_out}; held out: {how}), fewer than {need}")
     return Corpus(train, held_out if len(held_out) else None, tokenizer, source, how)
 
 
@@ -262,17 +272,17 @@ class Windows:
 
 
 class Packed:
-    """Endless batches of whole conversations (one over seq_len: its first seq_len tokens, alone), each epoch
-    in a new order drawn from `seed` (None: theirs), put best fit into windows of seq_len; the rest of a
-    window is padding, no target. Of each global batch's windows, dp rank r takes the r-th batch_size; the
+    """Endless batches of whole conversations (one over seq_len: its first seq_len tokens, alone; left out
+    if they hold no target), each epoch in a new order drawn from `seed` (None: theirs), put best fit into
+    windows of seq_len; the rest of a window is padding, no target. Of each global batch's windows, dp rank r takes the r-th batch_size; the
     position a checkpoint saves is (epoch, window), into windows of this seq_len (part of `key`)."""
 
     OPEN = 256  # windows open for more conversations at once: past that, the fullest is closed
 
     def __init__(self, documents: Documents, batch_size: int, seq_len: int, dp_mesh=None, seed: int | None = None):
-        tokens = documents.tokens
+        tokens, kept = documents.tokens, documents.targets_within(seq_len) > 0
         self.ids, self.mask, self.key = tokens.ids, tokens.mask, f"{tokens.key} in windows of {seq_len}"
-        self.first, self.lengths = np.asarray(tokens.starts)[documents.docs], np.minimum(documents.lengths(), seq_len)
+        self.first, self.lengths = np.asarray(tokens.starts)[documents.docs[kept]], np.minimum(documents.lengths()[kept], seq_len)
         self.dp_rank, self.dp_size = dp_coordinates(dp_mesh)
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.epoch, self.window, self.packings = 0, 0, {}

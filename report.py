@@ -39,11 +39,11 @@ def data_line(cfg: dict, corpus, position) -> str:
     if isinstance(corpus.train, torch.Tensor):
         return f"data: {len(corpus.train):,} train bytes, {len(corpus.held_out):,} held-out bytes of the Python stdlib"
     d, n, train, held = cfg["data"], cfg["training"]["seq_len"], corpus.train, corpus.held_out
-    tokens, targets, cut = train.trained(n)
+    tokens, targets, cut, lost = train.trained(n)
     built = "read from the tokenized copy" if train.tokens.built is None else f"tokenized in {train.tokens.built:.1f} s into"
     held_out = (f"{len(held):,} {kind(held)}, {corpus.held_out_from}" if held
                 else f"none ({corpus.held_out_from} of {len(train):,}: set validation.path)")
-    cut = f"; {cut:,} over seq_len cut to it" if train.conversations() else ""
+    cut = f"; {cut:,} over seq_len cut to it, {lost:,} left out: no target in it" if train.conversations() else ""
     return (f"data: {len(train):,} {kind(train)}, {tokens:,} tokens ({targets / tokens:.1%} targets) of {d['path']} "
             f"({d['split']}; {train.tokens.skipped:,} {kind(train, 'skipped')}{cut}), {built} {d['cache_folder']}/"
             f"{train.tokens.key} by {corpus.source}'s tokenizer ({vocabulary_size(corpus.tokenizer):,} ids); held out: "

@@ -45,7 +45,7 @@ def test_the_targets_are_the_assistant_turns_transformers_marks(tmp_path, style)
     records = [{"messages": CONVERSATION}, {"messages": REASONING},
                {"prompt": CONVERSATION[:4], "completion": CONVERSATION[4:]}, {"prompt": "Q: 2 + 2?\nA:", "completion": " 4"}]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    corpus = data.prepare(keys(tmp_path, tmp_path / "chat.jsonl", folder), "", 1000, 1)
+    corpus = data.prepare(keys(tmp_path, tmp_path / "chat.jsonl", folder), "", 1000, 2, 256)
     got = conversations_of(corpus.train)
     assert got[:2] == [tuple(assistant_tokens(folder, messages, style)) for messages in (CONVERSATION, REASONING)]
     if style == "qwen3":
@@ -60,23 +60,25 @@ def test_the_targets_are_the_assistant_turns_transformers_marks(tmp_path, style)
 
 def test_conversations_are_packed_whole_and_a_long_one_is_cut_and_counted(tmp_path):
     """In an epoch every conversation once, whole in one window: positions from 0, targets the next token where
-    it is the assistant's. One longer than seq_len: its first seq_len tokens, alone, counted in the data line.
-    Best fit puts two short conversations in most windows; the rest of a window is padding without targets.
-    dp ranks' rows are one process's global batch; a resumed position gives the same windows."""
+    it is the assistant's. One longer than seq_len: its first seq_len tokens, alone; one whose first seq_len
+    tokens hold no target (a long system turn) is left out; the data line counts both. Best fit puts two
+    short conversations in most windows; the rest of a window is padding without targets. dp ranks' rows
+    are one process's global batch; a resumed position gives the same windows."""
     from collections import Counter
 
     import report
 
     folder = make_chat_tokenizer(tmp_path / "tokenizer")
     long = CONVERSATION[:3] + [{"role": "user", "content": "Once more?"}, {"role": "assistant", "content": "Yes. " * 80}]
-    records = [CONVERSATION[: 3 + 2 * (i % 2)] for i in range(60)] + [long]
+    no_target = [{"role": "system", "content": "Answer. " * 150}] + CONVERSATION[1:3]
+    records = [CONVERSATION[: 3 + 2 * (i % 2)] for i in range(60)] + [long, no_target]
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in records))
-    corpus = data.prepare(keys(tmp_path, tmp_path / "chat.jsonl", folder), "", 1000, 1)
+    corpus = data.prepare(keys(tmp_path, tmp_path / "chat.jsonl", folder), "", 1000, 2, 256)
     masks = {tuple(ids[:256]): mask[:256] for ids, mask in conversations_of(corpus.train)}
-    assert max(map(len, masks)) == 256 and corpus.train.trained(256)[2] == 1
+    assert max(map(len, masks)) == 256 and corpus.train.trained(256)[2:] == (2, 1)
     windows = data.Packed(corpus.train, 4, 256, seed=42)
     line = report.data_line({"data": keys(tmp_path, tmp_path / "chat.jsonl", folder), **CFG}, corpus, windows)
-    assert "data: 55 conversations, " in line and "1 over seq_len cut to it" in line, line
+    assert "data: 56 conversations, " in line and "2 over seq_len cut to it, 1 left out: no target in it" in line, line
     seen, count = Counter(), len(windows.packing(0)[1]) - 1
     for x, y, positions in (windows.rows(windows.next_window()) for _ in range(count)):  # epoch 0
         starts = [int(s) for s in np.flatnonzero(positions == 0)] + [256]
@@ -87,7 +89,7 @@ def test_conversations_are_packed_whole_and_a_long_one_is_cut_and_counted(tmp_pa
                 continue
             seen[ids] += 1
             assert y[a:b].tolist() == [t if m else -100 for t, m in zip(ids[1:], masks[ids][1:])] + [-100]
-    assert seen == Counter(tuple(ids[:256]) for ids, _ in conversations_of(corpus.train))
+    assert seen == Counter(tuple(ids[:256]) for ids, mask in conversations_of(corpus.train) if any(mask[:256]))
     assert count <= 55 * 0.6, f"{count} windows: best fit puts two short conversations in most"
 
     one = iter(data.Packed(corpus.train, 4, 256, seed=42))
@@ -117,6 +119,7 @@ def test_each_conversation_problem_is_one_line(tmp_path, capsys, monkeypatch):
     write("no-assistant.jsonl", *[{"messages": CONVERSATION[:2]}] * 3)
     write("mixed.jsonl", {"messages": CONVERSATION}, {"text": "a document"})
     write("half.jsonl", {"prompt": "Q?", "completion": CONVERSATION[2:3]})
+    write("long-system.jsonl", *[{"messages": [{"role": "system", "content": "Answer. " * 40}] + CONVERSATION[1:3]}] * 3)
     small = ["--training.local_batch_size", "2", "--training.seq_len", "64", "--data.cache_folder", str(tmp_path / "c")]
     probes = [
         (["--data.path", str(tmp_path / "chat.jsonl"), "--data.tokenizer", str(plain)], f"{plain}'s tokenizer has no "
@@ -129,6 +132,8 @@ def test_each_conversation_problem_is_one_line(tmp_path, capsys, monkeypatch):
          f"{tmp_path / 'mixed.jsonl'}:2 a document: give documents or conversations, not both"),
         (["--data.path", str(tmp_path / "half.jsonl")], "half.jsonl:1: prompt is a str, not a list of messages (role, "
          "content): give prompt and completion both as text or both as messages"),
+        (["--data.path", str(tmp_path / "long-system.jsonl")], "holds 0 training tokens (3 conversations, 0 without an "
+         "assistant turn to train skipped, 3 with no target in their first 64; held out: every 10th document), fewer than one"),
         (["--data.path", str(tmp_path / "chat.jsonl")], None),
     ]
     each_one_line(probes, capsys, before=("--data.tokenizer", str(chat), "--model.vocab_size", "1000", *small))

@@ -76,14 +76,14 @@ def test_a_long_document_is_read_and_tokenized_in_pieces_with_the_ids_of_the_who
 
 def test_the_tokenized_copy_is_read_again_and_rebuilt_when_the_files_or_tokenizer_change(tmp_path, tokenizer_folder):
     docs = make_documents(tmp_path / "docs.jsonl", count=30)
-    first = data.prepare(data_keys(tmp_path, docs, tokenizer_folder), "", 1000, 129)
-    again = data.prepare(data_keys(tmp_path, docs, tokenizer_folder), "", 1000, 129)
+    first = data.prepare(data_keys(tmp_path, docs, tokenizer_folder), "", 1000, 2, 64)
+    again = data.prepare(data_keys(tmp_path, docs, tokenizer_folder), "", 1000, 2, 64)
     assert first.train.tokens.built is not None and again.train.tokens.built is None
     assert first.train.tokens.key == again.train.tokens.key
     assert [d.tolist() for d in documents_of(first.train)] == [d.tolist() for d in documents_of(again.train)]
-    other_tokenizer = data.prepare(data_keys(tmp_path, docs, "bytes"), "", 1000, 129)
+    other_tokenizer = data.prepare(data_keys(tmp_path, docs, "bytes"), "", 1000, 2, 64)
     docs.write_text(docs.read_text() + json.dumps({"text": "one more document"}) + "\n")
-    changed = data.prepare(data_keys(tmp_path, docs, tokenizer_folder), "", 1000, 129)
+    changed = data.prepare(data_keys(tmp_path, docs, tokenizer_folder), "", 1000, 2, 64)
     assert len({first.train.tokens.key, other_tokenizer.train.tokens.key, changed.train.tokens.key}) == 3
     assert changed.train.tokens.built is not None and len(changed.train) + len(changed.held_out) == 31
 
@@ -98,7 +98,7 @@ def test_a_snapshot_folder_trains_on_train_validates_on_validation_and_never_rea
     for split, rows in texts.items():
         datasets.Dataset.from_dict({"content": rows}).to_parquet(str(snapshot / f"{split}-00000-of-00001.parquet"))
     (snapshot / "test-00000-of-00001.parquet").write_bytes(b"not parquet")
-    got = data.prepare(data_keys(tmp_path, snapshot.parent, "bytes", text_field="content"), "", 256, 129)
+    got = data.prepare(data_keys(tmp_path, snapshot.parent, "bytes", text_field="content"), "", 256, 2, 64)
     assert [bytes(d.astype(np.uint8)).decode() for d in documents_of(got.train)] == texts["train"]
     assert [bytes(d.astype(np.uint8)).decode() for d in documents_of(got.held_out)] == texts["validation"]
     assert got.held_out_from == "its validation split"
@@ -109,7 +109,7 @@ def test_a_snapshot_folder_trains_on_train_validates_on_validation_and_never_rea
     saved = tmp_path / "saved"  # load_dataset(...).save_to_disk(...): a DatasetDict folder
     datasets.DatasetDict({split: datasets.Dataset.from_dict({"text": rows, "id": list(range(len(rows)))})
                           for split, rows in texts.items()}).save_to_disk(str(saved))
-    got = data.prepare(data_keys(tmp_path, saved, "bytes"), "", 256, 129)
+    got = data.prepare(data_keys(tmp_path, saved, "bytes"), "", 256, 2, 64)
     assert [bytes(d.astype(np.uint8)).decode() for d in documents_of(got.train)] == texts["train"]
     assert len(got.held_out) == 4 and next(data.training_batches(got, CFG)[0])[0].shape == (2, 64)
 
@@ -123,12 +123,12 @@ def test_one_document_trains_and_a_validation_path_holds_out(tmp_path):
     (tmp_path / "blank.txt").write_text("")
     (tmp_path / "held.jsonl").write_text(json.dumps({"text": "held out " * 50}) + "\n" + json.dumps({"text": None}) + "\n")
     keys = data_keys(tmp_path, tmp_path / "*.txt", "bytes")
-    alone = data.prepare(keys, "", 256, 129)
+    alone = data.prepare(keys, "", 256, 2, 64)
     assert len(alone.train) == 1 and alone.held_out is None
     line = report.data_line({"data": keys, **CFG}, alone, data.training_batches(alone, CFG)[1])
     assert "data: 1 documents, 3,400 tokens (100.0% targets) of " in line and "(train; 1 empty or null skipped)" in line, line
     assert "held out: none (every 10th document of 1: set validation.path)" in line, line
-    held = data.prepare(data_keys(tmp_path, tmp_path / "book.txt", "bytes"), str(tmp_path / "held.jsonl"), 256, 129)
+    held = data.prepare(data_keys(tmp_path, tmp_path / "book.txt", "bytes"), str(tmp_path / "held.jsonl"), 256, 2, 64)
     assert len(held.train) == 1 and len(held.held_out) == 1 and held.held_out_from == "validation.path"
 
 
@@ -137,7 +137,7 @@ def test_shuffled_epochs_differ_and_dp_ranks_share_one_processs_global_batch(tmp
     are one process's global batch; a resumed stream (set_state) gives the same windows."""
     rows = [f"document {i}: " + "x" * (i % 7 + 1) for i in range(40)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
-    got = data.prepare(data_keys(tmp_path, tmp_path / "docs.jsonl", "bytes"), "", 256, 129)
+    got = data.prepare(data_keys(tmp_path, tmp_path / "docs.jsonl", "bytes"), "", 256, 2, 64)
     windows = data.Windows(got.train, 2, 64, seed=42)
     orders = [windows.order(epoch)[0] for epoch in (0, 1)]
     assert sorted(orders[0]) == sorted(orders[1]) == list(range(36)) and not np.array_equal(*orders)
@@ -190,16 +190,16 @@ def test_the_tokenized_copy_follows_the_files_bytes(tmp_path, tokenizer_folder):
 
     (tmp_path / "a").mkdir()
     docs = make_documents(tmp_path / "a" / "docs.jsonl", count=30)
-    first = data.prepare(data_keys(tmp_path, docs, tokenizer_folder), "", 1000, 129)
+    first = data.prepare(data_keys(tmp_path, docs, tokenizer_folder), "", 1000, 2, 64)
     stat = docs.stat()
     docs.write_text(docs.read_text().replace("a", "b"))  # same size
     os.utime(docs, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert docs.stat().st_size == stat.st_size and docs.stat().st_mtime_ns == stat.st_mtime_ns
-    replaced = data.prepare(data_keys(tmp_path, docs, tokenizer_folder), "", 1000, 129)
+    replaced = data.prepare(data_keys(tmp_path, docs, tokenizer_folder), "", 1000, 2, 64)
     assert replaced.train.tokens.built is not None and replaced.train.tokens.key != first.train.tokens.key
     assert [d.tolist() for d in documents_of(replaced.train)] != [d.tolist() for d in documents_of(first.train)]
     shutil.copytree(tmp_path / "a", tmp_path / "b")
-    copied = data.prepare(data_keys(tmp_path, tmp_path / "b" / "docs.jsonl", tokenizer_folder), "", 1000, 129)
+    copied = data.prepare(data_keys(tmp_path, tmp_path / "b" / "docs.jsonl", tokenizer_folder), "", 1000, 2, 64)
     assert copied.train.tokens.built is None and copied.train.tokens.key == replaced.train.tokens.key
 
 

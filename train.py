@@ -113,8 +113,8 @@ def config_or_exit(argv: list[str], launch: Launch) -> tuple[dict, object]:
         check_resources(cfg, launch.local_world_size)
         if problem := tasks_without_torchrun() or several_nodes_restart_problem(launch):
             raise ConfigError(problem)
-        corpus = prepare(cfg["data"], cfg["validation"]["path"], cfg["model"]["vocab_size"],
-                         global_batch_size(cfg) * cfg["training"]["seq_len"] + 1)  # one global batch's tokens
+        corpus = prepare(cfg["data"], cfg["validation"]["path"], cfg["model"]["vocab_size"], global_batch_size(cfg),
+                         cfg["training"]["seq_len"])
         if warning := prepare_checkpoint_folder(cfg["checkpoint"], cfg["model"], rank0=launch.rank == 0):
             print(warning, file=sys.stderr)  # on a shared filesystem, rank 0 checks for all
         if cfg["metrics"]["enable_tensorboard"] and launch.rank == 0:  # its one writer
