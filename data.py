@@ -274,15 +274,17 @@ class Windows:
 class Packed:
     """Endless batches of whole conversations (one over seq_len: its first seq_len tokens, alone; left out
     if they hold no target), each epoch in a new order drawn from `seed` (None: theirs), put best fit into
-    windows of seq_len; the rest of a window is padding, no target. Of each global batch's windows, dp rank r takes the r-th batch_size; the
-    position a checkpoint saves is (epoch, window), into windows of this seq_len (part of `key`)."""
+    windows of seq_len; the rest of a window is padding, no target. Of each global batch's windows, dp rank
+    r takes the r-th batch_size; the position a checkpoint saves is (epoch, window), into windows of this
+    seq_len (part of `key`)."""
 
     OPEN = 256  # windows open for more conversations at once: past that, the fullest is closed
 
     def __init__(self, documents: Documents, batch_size: int, seq_len: int, dp_mesh=None, seed: int | None = None):
         tokens, kept = documents.tokens, documents.targets_within(seq_len) > 0
         self.ids, self.mask, self.key = tokens.ids, tokens.mask, f"{tokens.key} in windows of {seq_len}"
-        self.first, self.lengths = np.asarray(tokens.starts)[documents.docs[kept]], np.minimum(documents.lengths()[kept], seq_len)
+        self.first = np.asarray(tokens.starts)[documents.docs[kept]]
+        self.lengths = np.minimum(documents.lengths()[kept], seq_len)
         self.dp_rank, self.dp_size = dp_coordinates(dp_mesh)
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.epoch, self.window, self.packings = 0, 0, {}
@@ -313,7 +315,7 @@ class Packed:
         return ids, targets, positions
 
     def packing(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(the conversations, window after window; where each window's begin), of `epoch`: each conversation in
+        """(the conversations, window after window; where each window begins), of `epoch`: each conversation in
         the epoch's order goes into the open window with the least room that holds it, else a new one."""
         if epoch not in self.packings:
             count = len(self.lengths)

@@ -105,7 +105,7 @@ def build(source, field: str, tokenizer, folder: Path) -> float:
             chats = batch[0][4] is not None
             for (_, i, first, last, spans), (ids, offsets) in zip(batch, encode(tokenizer, [j[0] for j in batch], chats)):
                 if ids.max(initial=0) > np.iinfo(dtype).max:
-                    raise DataError(f"{tokenizer.name_or_path}'s tokenizer gives id {ids.max():,}, over its {dtype.name} width")
+                    raise DataError(f"{tokenizer.name_or_path}'s tokenizer gives id {ids.max():,}, wider than {dtype.name}")
                 ids = np.concatenate([prefix] * first + [ids] + [suffix] * last)
                 out.write(ids.astype(dtype).tobytes())
                 if i == len(lengths):  # its first piece
