@@ -78,13 +78,14 @@ def content_hashes(files: list[Path], cache_folder: Path) -> list[str]:
     memo = json.loads(memo_file.read_text()) if memo_file.is_file() else {}
     stats = {p: os.stat(p) for p in files}
     keys = [json.dumps([str(p.resolve()), s.st_size, s.st_ino, s.st_mtime_ns, s.st_ctime_ns]) for p, s in stats.items()]
-    for path, key in zip(files, keys):
-        if key not in memo:
-            with open(path, "rb") as f:
-                memo[key] = hashlib.file_digest(f, "sha256").hexdigest()
-    tmp = memo_file.with_name(f"hashes.json.tmp-{socket.gethostname()}")  # on a shared disk, another node's
-    tmp.write_text(json.dumps(memo))
-    os.replace(tmp, memo_file)
+    new = {key: path for path, key in zip(files, keys) if key not in memo}
+    for key, path in new.items():
+        with open(path, "rb") as f:
+            memo[key] = hashlib.file_digest(f, "sha256").hexdigest()
+    if new:  # else every start of every rank would rewrite it
+        tmp = memo_file.with_name(f"hashes.json.tmp-{socket.gethostname()}")  # on a shared disk, another node's
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_file)
     return [memo[key] for key in keys]
 
 
