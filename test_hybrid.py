@@ -1,0 +1,76 @@
+"""Qwen3.5's hybrid layers (Gated DeltaNet beside gated attention): packed documents stay apart in the
+linear-attention layers' convolution and recurrent state, as attention's block-causal masks keep them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import build_model, forward_logits
+
+SIZES = dict(model_type="qwen3_5_text", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+             linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512, attn_implementation="sdpa")
+LENGTH = 100  # a document over one chunk of the gated delta rule (64 tokens)
+
+
+def document_loss(logits: torch.Tensor, document: torch.Tensor) -> float:
+    return F.cross_entropy(logits[0, :-1], document[0, 1:]).item()
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    """(a float32 Qwen3.5 text model of 3 Gated DeltaNet layers and 1 attention layer, a document). Its
+    state decays slowly, as a trained model's long-memory heads: at HF's init (decay rates up to 16)
+    a state leaked across a copy's first chunk has faded by the next."""
+    torch.manual_seed(0)
+    model = build_model(SIZES).eval()
+    with torch.no_grad():
+        for block in model.model.layers[:3]:
+            block.linear_attn.A_log.uniform_(0.01, 0.1).log_()
+    return model, torch.randint(0, 300, (1, LENGTH))
+
+
+def four_copies(document: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return document.repeat(1, 4), torch.arange(LENGTH).repeat(4)[None]  # positions restart at each copy
+
+
+def test_each_of_four_packed_copies_of_a_document_loses_what_the_document_alone_does(hybrid):
+    """model.forward_logits on the packed window: every layer kind (convolution, recurrent state, attention)
+    restarts at each copy, across the chunks of 64 tokens that a copy spans; transformers' loss on the
+    document alone is the reference."""
+    model, document = hybrid
+    with torch.no_grad():
+        alone = document_loss(model(document).logits, document)
+        logits = forward_logits(model, *four_copies(document))
+    copies = [document_loss(logits[:, i * LENGTH:(i + 1) * LENGTH], document) for i in range(4)]
+    assert copies == pytest.approx([alone] * 4, abs=1e-5)
+
+
+def test_without_the_workaround_transformers_leaks_one_document_into_the_next(hybrid):
+    """hybrid_plan.keep_documents_apart_in_linear_attention is needed while this holds (transformers
+    5.24.0): stock transformers, given the packed window's position_ids (its own way to pack), keeps the
+    copies apart in attention alone; the second copy's loss differs from the document's."""
+    model, document = hybrid
+    ids, positions = four_copies(document)
+    with torch.no_grad():
+        alone = document_loss(model(document).logits, document)
+        second = document_loss(model(input_ids=ids, position_ids=positions).logits[:, LENGTH:2 * LENGTH], document)
+    assert abs(second - alone) > 1e-4
+
+
+def test_the_packed_window_gives_every_parameter_the_gradient_of_the_document_alone(hybrid):
+    """Backward through the restarts: the mean loss over four identical copies has the document's
+    gradient, parameter by parameter (the convolution, A_log, dt_bias and the gated norm included)."""
+    model, document = hybrid
+
+    def gradients(loss):
+        model.zero_grad()
+        loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+    alone = gradients(F.cross_entropy(model(document).logits[0, :-1], document[0, 1:]))
+    ids, positions = four_copies(document)
+    targets = ids.clone()[0, 1:]
+    targets[LENGTH - 1::LENGTH] = -100  # no target across copies
+    packed = gradients(F.cross_entropy(forward_logits(model, ids, positions)[0, :-1], targets))
+    for name in alone:
+        torch.testing.assert_close(packed[name], alone[name], rtol=1e-4, atol=1e-6, msg=name)
