@@ -20,9 +20,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
-from torch.utils._pytree import tree_map
 
-from family_plan import placed_like, without_strided_shards
+from hf_layout import in_hf_layout, in_plan_layout
 from workarounds import set_comm_timeout
 
 MARKER = "complete.json"
@@ -100,9 +99,9 @@ def run_record(cfg: dict, position=None) -> dict:
 
 def training_state(model, optimizer, scheduler, position, step: int) -> dict:
     """Everything a resume needs; also the template that DCP loads into. Fused weights as Shard:
-    HF's layout, which DCP takes (family_plan.without_strided_shards). `position`: the data's
+    HF's layout, which DCP takes (hf_layout.in_hf_layout). `position`: the data's
     (data.training_batches), with get_state/set_state as a torch.Generator."""
-    model_sd, optim_sd = tree_map(without_strided_shards, get_state_dict(model, optimizer))
+    model_sd, optim_sd = in_hf_layout(get_state_dict(model, optimizer), model.config)
     return {"model": model_sd, "optim": optim_sd,
             "train": {"step": step, "scheduler": scheduler.state_dict(), "data_position": position.get_state()}}
 
@@ -181,7 +180,7 @@ def resume(cfg: dict, model, optimizer, scheduler, position, log) -> int:
         require_same_run(path, cfg, log, position=position)
         state = training_state(model, optimizer, scheduler, position, step)
         dcp.load(state, checkpoint_id=path)
-        model_sd, optim_sd = tree_map(placed_like, (state["model"], state["optim"]), get_state_dict(model, optimizer))
+        model_sd, optim_sd = in_plan_layout((state["model"], state["optim"]), get_state_dict(model, optimizer), model.config)
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         scheduler.load_state_dict(state["train"]["scheduler"])
         position.set_state(state["train"]["data_position"])
@@ -193,9 +192,9 @@ def resume(cfg: dict, model, optimizer, scheduler, position, log) -> int:
             load_hf(model, path)
         else:  # the model part of another run's DCP checkpoint; optimizer and schedule start fresh
             require_same_run(path, cfg, log, every_key=False)
-            state = {"model": tree_map(without_strided_shards, get_model_state_dict(model))}
+            state = {"model": in_hf_layout(get_model_state_dict(model), model.config)}
             dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(model, tree_map(placed_like, state["model"], get_model_state_dict(model)))
+            set_model_state_dict(model, in_plan_layout(state["model"], get_model_state_dict(model), model.config))
         log(f"checkpoint: none complete in {folder}; loaded the {'HF' if hf else 'DCP'} weights of "
             f"{path} in {time.perf_counter() - start:.1f} s, starting from step 1")
         return 0
@@ -250,10 +249,10 @@ def load_hf(model, path: Path) -> None:
     """This rank's piece of every tensor in an HF folder's *.safetensors, read by DCP's
     HuggingFaceStorageReader (slices, cast to the parameters' dtype); a tied lm_head is the embedding."""
     state = get_model_state_dict(model)  # HF's names -> this rank's shards, sharing the parameters' storage
-    plain = tree_map(without_strided_shards, state)  # DCP reads into Shard, not _StridedShard
+    plain = in_hf_layout(state, model.config)  # DCP reads into Shard rows of HF's layout
     if model.config.tie_word_embeddings:
         del plain["lm_head.weight"]  # the embedding's parameter: loaded with it
     dcp.load(plain, storage_reader=HuggingFaceStorageReader(str(path)))
-    if any(plain[name] is not state[name] for name in plain):  # fused weights: copies, set into the strided shards
-        set_model_state_dict(model, {name: placed_like(value, state[name]) for name, value in plain.items()},
+    if any(plain[name] is not state[name] for name in plain):  # fused weights, rows by heads: copies, set back
+        set_model_state_dict(model, in_plan_layout(plain, {name: state[name] for name in plain}, model.config),
                              options=StateDictOptions(strict=False))  # a tied lm_head is not in plain

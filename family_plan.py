@@ -11,11 +11,13 @@ import textwrap
 
 import torch
 import torch.nn as nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from hybrid_plan import linear_attention_plan
 
 
 class PlanError(ValueError):
@@ -30,7 +32,7 @@ FUSED_PARTS = {"gate_up_proj": 2, "qkv_proj": 3}  # HF's fused projections: [gat
 # linear and redistribute on a _StridedShard weight: measured to work on torch 2.12.0-2.15.0, to fail
 # on 2.10.0 and 2.11.0 (an assert in redistribute; pytorch/pytorch#171338 and its stack).
 STRIDED_LINEAR = torch.__version__ >= (2, 12)  # a TorchVersion
-FULL_SEQUENCE_MASKS = ("full_attention", "sliding_attention")  # the layer types forward_logits builds masks for
+FULL_SEQUENCE_MASKS = ("full_attention", "sliding_attention", "linear_attention")  # forward_logits's layer types
 # HF's layers pass attention's input by keyword: a with_kwargs pre-hook, whose id Dynamo guards on
 # per block on torch <= 2.10 (pytorch/pytorch#170110), a recompile per block there.
 KWARGS_ATTENTION_INPUT = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
@@ -46,15 +48,15 @@ def block_plan(block: nn.Module, attention_gather: str) -> dict:
     norms = [name for name, module in block.named_children() if NORM.search(type(module).__name__)]
     plan = {
         **{name: SequenceParallel(use_local_output=name != gather_at) for name in norms},
-        **attention_plan(block.self_attn),
+        **(linear_attention_plan(block.linear_attn) if hasattr(block, "linear_attn") else attention_plan(block.self_attn)),
         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         **mlp_plan(block.mlp),
     }
     if gather_at is None:
         plan["self_attn"] = KWARGS_ATTENTION_INPUT
-    if isinstance(plan.get("self_attn"), LocalHeads) and attention_gather != "norm_output":
-        raise PlanError(f"{type(block.self_attn).__name__} needs LocalHeads where a pre-hook plan puts attention's "
-                        "input: gather at the norm's output (recipe B)")
+    if (isinstance(plan.get("self_attn"), LocalHeads) or "linear_attn" in plan) and attention_gather != "norm_output":
+        raise PlanError(f"{type(block).__name__}'s attention counts each rank's heads where a pre-hook plan puts "
+                        "its input: gather at the norm's output (recipe B)")
     return plan
 
 
@@ -149,56 +151,31 @@ def blocks_exchanged(local: torch.Tensor, dim: int, parts: int, mesh, i: int, to
     """`local`'s parts x TP equal blocks on `dim` (block b: part b // TP's (b % TP)-th 1/TP), moved by one
     all-to-all in mesh dim i's group between Shard's order (rank r: blocks r*parts...) and the strided one
     (rank r: blocks r, r + TP, ...), each rank's in the order of b; differentiable."""
+    tp = mesh.size(i)
+    shard, strided = [[q * parts + k for k in range(parts)] for q in range(tp)], [[k * tp + q for k in range(parts)] for q in range(tp)]
+    now, then = (shard, strided) if to_strided else (strided, shard)
+    return rows_moved(local.movedim(dim, 0), now, then, mesh, i).movedim(0, dim).contiguous()
+
+
+def rows_moved(local: torch.Tensor, now: list, then: list, mesh, i: int) -> torch.Tensor:
+    """`local`'s equal blocks of rows (rank q holds blocks now[q], in that order) moved by one all-to-all in
+    mesh dim i's group so that rank q holds blocks then[q], in that order."""
     tp, r = mesh.size(i), mesh.get_local_rank(i)
-    if to_strided:
-        held, owner = (lambda q: [q * parts + k for k in range(parts)]), (lambda b: b % tp)
-    else:
-        held, owner = (lambda q: [k * tp + q for k in range(parts)]), (lambda b: b // parts)
-    blocks = local.movedim(dim, 0).unflatten(0, (parts, -1))
-    sent = blocks[sorted(range(parts), key=lambda k: owner(held(r)[k]))].contiguous()  # grouped by receiver
-    came = [b for q in range(tp) for b in held(q) if owner(b) == r]  # in the order they arrive
-    received = all_to_all_single_autograd(sent, [sum(owner(b) == r for b in held(q)) for q in range(tp)],
-                                          [sum(owner(b) == q for b in held(r)) for q in range(tp)], (mesh, i))
-    if came != sorted(came):
-        received = received[sorted(range(parts), key=came.__getitem__)]
-    return received.flatten(0, 1).movedim(0, dim).contiguous()
+    owner = {b: q for q in range(tp) for b in then[q]}
+    sent = sorted(now[r], key=lambda b: (owner[b], then[owner[b]].index(b)))
+    blocks = local.unflatten(0, (len(now[r]), -1))[[now[r].index(b) for b in sent]].contiguous()
+    came = [b for q in range(tp) for b in sorted((b for b in now[q] if owner[b] == r), key=then[r].index)]
+    received = all_to_all_single_autograd(blocks, [sum(owner[b] == r for b in now[q]) for q in range(tp)],
+                                          [sum(owner[b] == q for b in now[r]) for q in range(tp)], (mesh, i))
+    return received[[came.index(b) for b in then[r]]].flatten(0, 1)
 
 
 def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
     """FSDP2's `shard_placement_fn`: Shard(1) for a fused weight, as FSDP's default Shard(0) over
     its rows would be mislabelled (its `full_tensor()`, so the HF export, goes wrong in silence)."""
+    if getattr(param, "rows_by_heads", None):  # hybrid_plan.RowsByHeads: its rows are TP's (conv1d: [rows, 1, width])
+        return Shard(param.ndim - 1)
     return Shard(1) if isinstance(param, DTensor) and fused_placements(param.placements) else None
-
-
-def without_strided_shards(value):
-    """A fused weight's DTensor, or its AdamW state, as Shard on the same dim: a slice of HF's
-    layout, for DCP, which refuses _StridedShard (`overlapping chunks`, torch 2.15.0; test_checkpoint
-    says when it no longer does). `placed_like` sets such a copy back, loaded, into the strided weight."""
-    if not isinstance(value, DTensor) or not (fused := fused_placements(value.placements)):
-        return value
-    return rows_exchanged(value, [Shard(p.dim) if i in fused else p for i, p in enumerate(value.placements)])
-
-
-def placed_like(value, like):
-    """`value`, a loaded copy of without_strided_shards', in `like`'s placements; anything else as it is."""
-    if not (isinstance(value, DTensor) and isinstance(like, DTensor)) or value.placements == like.placements:
-        return value
-    return rows_exchanged(value, like.placements)
-
-
-def rows_exchanged(value: DTensor, placements) -> DTensor:
-    """`value` in `placements`: Shard(d) <-> a fused weight's _StridedShard(d, parts) on one mesh dim, by
-    blocks_exchanged in that dim's group. Torch 2.15.0's `redistribute` gathers the whole weight
-    (`_redistribute.py`'s TODO cases 8 and 10, pytorch/pytorch#171023; test_families says when it
-    no longer does)."""
-    [i] = [i for i, (p, q) in enumerate(zip(value.placements, placements)) if p != q]
-    strided = next(p for p in (value.placements[i], placements[i]) if isinstance(p, _StridedShard))
-    mesh, dim, parts = value.device_mesh, strided.dim, strided.split_factor
-    if value.shape[dim] % (parts * mesh.size(i)):
-        return value.redistribute(mesh, placements)
-    local = blocks_exchanged(value.to_local().detach(), dim, parts, mesh, i, to_strided=strided is placements[i])
-    local = wait_tensor(local)  # a plain tensor, not funcol's AsyncCollectiveTensor, which DCP cannot load back
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=value.shape, stride=value.stride())
 
 
 def fused_placements(placements) -> list[int]:
@@ -260,8 +237,9 @@ def require_llama_layout_and_masks(model: nn.Module) -> None:
     build for the whole sequence (under sequence parallel HF builds them from each rank's 1/TP):
     SDPA or eager attention, full or sliding-window layers, causal."""
     blocks = getattr(getattr(model, "model", None), "layers", [])
+    mixer = lambda block: "linear_attn" if hasattr(block, "linear_attn") else "self_attn"  # noqa: E731 (Qwen3.5's)
     for name in ("model.embed_tokens", "model.layers", "model.norm", "lm_head",
-                 *(f"model.layers.{i}.{part}" for i in range(len(blocks)) for part in ("self_attn", "mlp"))):
+                 *(f"model.layers.{i}.{part}" for i, block in enumerate(blocks) for part in (mixer(block), "mlp"))):
         try:
             model.get_submodule(name)
         except AttributeError:

@@ -15,10 +15,9 @@ from torch.distributed.checkpoint._consolidate_hf_safetensors import _consolidat
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.utils._pytree import tree_map
 
 from checkpoint import CheckpointError, is_rank0, why_save_failed
-from family_plan import without_strided_shards
+from hf_layout import in_hf_layout
 from model import hf_config
 from workarounds import set_comm_timeout
 
@@ -32,7 +31,7 @@ def save_hf(cfg: dict, step: int, model, tokenizer, log) -> None:
     tmp = path.with_name(path.name + ".tmp")
     set_comm_timeout(cfg["comm"]["init_timeout_seconds"])  # the others wait while rank 0 writes
     config, source = export_config(cfg, tokenizer)
-    weights = tree_map(without_strided_shards, get_model_state_dict(model))
+    weights = in_hf_layout(get_model_state_dict(model), model.config)
     if model.config.tie_word_embeddings:
         del weights["lm_head.weight"]  # as HF saves a tied model
     weights = {name: w.detach().to(config.dtype) for name, w in weights.items()}

@@ -1,9 +1,82 @@
-"""What only hybrid families need (Qwen3.5's Gated DeltaNet beside gated attention): packed documents
-kept apart in the linear-attention layers' convolution and recurrent state."""
+"""What only hybrid families need (Qwen3.5's Gated DeltaNet beside gated attention): the linear-attention
+layer's TP plan, by heads; and packed documents kept apart in its convolution and recurrent state."""
+
+import types
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from transformers.models.qwen3_5 import modeling_qwen3_5
+
+
+def linear_attention_plan(gdn: nn.Module) -> dict:
+    """Gated DeltaNet by heads: rank r computes its key heads and their value heads and nothing else. The
+    input is attention's (gathered at the norm's output); the projections' outputs stay this rank's heads
+    through the convolution, the gated delta rule and the gated norm; out_proj reduce-scatters to Shard(1)."""
+    keep_documents_apart_in_linear_attention()  # its kernels also take this plan's DTensors as this rank's heads
+    parts = (gdn.key_dim, gdn.key_dim, gdn.value_dim)  # in_proj_qkv's and conv1d's rows: [q; k; v]
+    return {
+        "linear_attn": LinearAttentionHeads(),
+        "linear_attn.in_proj_qkv": RowsByHeads(parts),
+        "linear_attn.conv1d": RowsByHeads(parts),
+        "linear_attn.in_proj_z": ColwiseParallel(),
+        "linear_attn.in_proj_a": ColwiseParallel(use_local_output=False),  # with A_log and dt_bias: g, a DTensor
+        "linear_attn.in_proj_b": ColwiseParallel(use_local_output=False),
+        "linear_attn.norm": NormPerHead(),
+        "linear_attn.out_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+class LinearAttentionHeads(ParallelStyle):
+    """Each rank's head counts and widths, which HF's forward splits by; A_log and dt_bias (one per value
+    head) Shard(0), as in_proj_a's and in_proj_b's outputs, with which they make the decay g."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        tp = device_mesh.size()
+        for name in ("num_k_heads", "num_v_heads", "key_dim", "value_dim"):
+            setattr(module, name, getattr(module, name) // tp)
+        for name in ("A_log", "dt_bias"):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(getattr(module, name), device_mesh, [Shard(0)])))
+        return module
+
+
+class RowsByHeads(ColwiseParallel):
+    """in_proj_qkv's and conv1d's weight, whose rows are q, k and v (`parts`; v another size): rank r
+    holds its heads' rows of each, side by side, Shard(0) of the rows in rank order (`by_rank`), not HF's;
+    `in_hf_rows` gives HF's order back for checkpoints and exports."""
+
+    def __init__(self, parts: tuple):
+        super().__init__()
+        self.parts = parts
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        weight = distribute_tensor(by_rank(module.weight.detach(), self.parts, device_mesh.size()), device_mesh, [Shard(0)])
+        module.register_parameter("weight", nn.Parameter(weight))
+        module.weight.rows_by_heads = self.parts  # FSDP shards another dim (family_plan.fsdp_shard_placement)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if isinstance(module, nn.Linear):
+            return super()._apply(module, device_mesh)
+        return distribute_module(module, device_mesh, self._partition_linear_fn)  # conv1d: HF's forward reads its weight
+
+
+def by_rank(rows: torch.Tensor, parts: tuple, tp: int) -> torch.Tensor:
+    """HF's rows [q; k; v] as [q_0; k_0; v_0; q_1; ...]: each part's r-th 1/tp, rank by rank."""
+    pieces = [part.chunk(tp) for part in rows.split(parts)]
+    return torch.cat([piece[r] for r in range(tp) for piece in pieces])
+
+
+class NormPerHead(ParallelStyle):
+    """The gated RMS norm over each value head's features: its weight replicated, its two inputs (the
+    heads' outputs and their gates, one row per token and head) Shard(0), so that TP sums its gradient."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh, None,
+            lambda _norm, inputs, mesh: tuple(DTensor.from_local(x, mesh, [Shard(0)], run_check=False) for x in inputs),
+            lambda _norm, output, mesh: output.to_local())
 
 
 def keep_documents_apart_in_linear_attention() -> None:
@@ -18,17 +91,36 @@ def keep_documents_apart_in_linear_attention() -> None:
     library_conv, library_rule = modeling_qwen3_5.causal_conv1d_fn, modeling_qwen3_5.torch_chunk_gated_delta_rule
 
     def causal_conv1d_fn(x, weight, bias=None, activation=None, seq_idx=None, **kwargs):
+        weight = local(weight)  # TP's (linear_attention_plan): this rank's heads
         if seq_idx is None:
             return library_conv(x, weight, bias, activation, **kwargs)
         return causal_conv1d_by_document(x, weight, bias, activation, seq_idx)
 
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, seq_idx=None, **kwargs):
+        g, beta = local(g), local(beta)
         if seq_idx is None:
             return library_rule(query, key, value, g, beta, **kwargs)
         return chunk_gated_delta_rule_by_document(query, key, value, g, beta, seq_idx, **kwargs)
 
     causal_conv1d_fn.by_document = True
     modeling_qwen3_5.causal_conv1d_fn, modeling_qwen3_5.torch_chunk_gated_delta_rule = causal_conv1d_fn, torch_chunk_gated_delta_rule
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A TP-sharded argument (linear_attention_plan's) as this rank's heads, its gradient sent back
+    contiguous: the chunked rule's transposes would leave the gradient of in_proj_a's and in_proj_b's
+    outputs a transposed DTensor, which their linear's backward views (`view size is not compatible`)."""
+    return ContiguousGradient.apply(tensor).to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ContiguousGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, gradient):
+        return gradient.contiguous()
 
 
 def causal_conv1d_by_document(x, weight, bias, activation, seq_idx):
@@ -85,3 +177,17 @@ def chunk_gated_delta_rule_by_document(query, key, value, g, beta, seq_idx, chun
         state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
     out = torch.stack(out, 2).flatten(2, 3)[:, :, :length]
     return out.transpose(1, 2).to(dtype).contiguous(), state if output_final_state else None
+
+
+def a_frame_of_their_own(blocks: nn.ModuleList) -> None:
+    """Before per-block compile: linear-attention blocks call a copy of their forward's code. Dynamo
+    caches a frame by its code, which every block shares (transformers' `forward_with_checkpointing`,
+    or AC's wrapper), so the second layer kind would count as a recompile of the first; this way each
+    kind compiles once, into a graph of its own."""
+    copy = None
+    for block in blocks:
+        if hasattr(block, "linear_attn"):  # through AC's wrapper too
+            forward = type(block).forward
+            copy = copy or types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
+                                              forward.__defaults__, forward.__closure__)
+            block.forward = types.MethodType(copy, block)

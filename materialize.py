@@ -123,8 +123,8 @@ def piece(shape: tuple, param) -> tuple:
     """The slices of a full tensor of `shape` that this rank holds of `param`."""
     if not isinstance(param, DTensor):
         return tuple(slice(0, n) for n in shape)
-    if fused_placements(param.placements):
-        raise NotImplementedError(f"{param.placements}: a fused weight's rows are no one slice (without_strided_shards)")
+    if fused_placements(param.placements) or getattr(param, "rows_by_heads", None):
+        raise NotImplementedError(f"{param.placements}: a fused weight's rows, or rows by heads, are no one slice (hf_layout)")
     sizes, offsets = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
     return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
 

@@ -21,6 +21,7 @@ from torchtitan.models.llama3.infra.parallelize import apply_compile as titan_ap
 from transformers import LlamaForCausalLM
 
 import family_plan
+import hybrid_plan
 import workarounds
 from family_plan import attention_norm, refuse_unplanned_parameters, require_llama_layout_and_masks
 
@@ -129,7 +130,8 @@ def apply_ac(model: LlamaForCausalLM, mode: str, selective_option: str, compile_
 
 def apply_compile(model: LlamaForCausalLM, backend: str) -> None:
     """torchtitan's `apply_compile`: `torch.compile(block, fullgraph=True)` per block. All
-    blocks run the same code, so Dynamo can serve them all from one graph."""
+    blocks of a kind run the same code, so Dynamo can serve them all from one graph."""
+    hybrid_plan.a_frame_of_their_own(model.model.layers)  # Qwen3.5's linear-attention blocks: a graph of their own
     titan_apply_compile(model.model, CompileConfig(enable=True, backend=backend))
 
 

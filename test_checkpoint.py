@@ -508,7 +508,7 @@ def _fused_family_main(rank: int, port: int, folder: str) -> None:
         generator = torch.Generator().manual_seed(t["seed"])
         uninterrupted = run(model, optimizer, scheduler, generator, dp_mesh, range(1, 5), 2)
         checkpoint.save(in_folder(family + "-end"), 4, model, optimizer, scheduler, generator, quiet)
-        try:  # what family_plan.without_strided_shards works around
+        try:  # what hf_layout.without_strided_shards works around
             dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=Path(folder, family + "-strided"))
             strided_save = "saved"
         except CheckpointException as e:  # a BaseException, on every rank

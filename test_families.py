@@ -130,7 +130,8 @@ def _load_main(rank: int, port: int, folders: dict, out: str) -> None:
     from checkpoint import load_hf
     from config import read_hf_folder, validate
     from conftest import join_gloo, small_config
-    from family_plan import fused_placements, placed_like, without_strided_shards
+    from family_plan import fused_placements
+    from hf_layout import placed_like, without_strided_shards
     from harness import hf_name
     from test_materialize import LargestCopy
 
@@ -177,7 +178,7 @@ def test_a_familys_folder_fills_each_ranks_shards_with_no_draw(folders, tmp_path
     no init replay, filled from the folder, then again from a DCP checkpoint of it: no random number;
     every weight the folder's (a fused one in HF's layout). No tensor made, copied or sent is larger
     than the rank's largest shard: a fused weight's Shard(0) rows, as DCP reads them, become its
-    _StridedShard by family_plan.rows_exchanged, equal to torch's `redistribute`, which on torch
+    _StridedShard by hf_layout.rows_exchanged, equal to torch's `redistribute`, which on torch
     2.15.0 goes through the whole weight (_redistribute.py: a TODO)."""
     from conftest import spawn
 
@@ -190,4 +191,4 @@ def test_a_familys_folder_fills_each_ranks_shards_with_no_draw(folders, tmp_path
         assert r["largest"] <= r["largest_shard"], (name, r)
     phi3 = results["phi3"]
     assert phi3["by_torch"] == phi3["largest_fused"] > phi3["largest_shard"], \
-        f"{phi3}: torch redistributes a fused weight in shards now: family_plan.rows_exchanged can go"
+        f"{phi3}: torch redistributes a fused weight in shards now: hf_layout.rows_exchanged can go"
