@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+import hub_folder
 from hf_layout import in_hf_layout, in_plan_layout
 from workarounds import set_comm_timeout
 
@@ -246,13 +247,15 @@ def require_same_run(path: Path, cfg: dict, log, every_key: bool = True, positio
 # Hugging Face weights in and out
 
 def load_hf(model, path: Path) -> None:
-    """This rank's piece of every tensor in an HF folder's *.safetensors, read by DCP's
-    HuggingFaceStorageReader (slices, cast to the parameters' dtype); a tied lm_head is the embedding."""
+    """This rank's piece of every tensor of [model]'s in an HF folder's *.safetensors (a composite's text
+    model: hub_folder.tensors), read by DCP's HuggingFaceStorageReader (slices, cast to the parameters'
+    dtype); a tied lm_head is the embedding."""
     state = get_model_state_dict(model)  # HF's names -> this rank's shards, sharing the parameters' storage
     plain = in_hf_layout(state, model.config)  # DCP reads into Shard rows of HF's layout
     if model.config.tie_word_embeddings:
         del plain["lm_head.weight"]  # the embedding's parameter: loaded with it
-    dcp.load(plain, storage_reader=HuggingFaceStorageReader(str(path)))
+    names, _ = hub_folder.tensors(path)
+    dcp.load({names[name]: value for name, value in plain.items()}, storage_reader=HuggingFaceStorageReader(str(path)))
     if any(plain[name] is not state[name] for name in plain):  # fused weights, rows by heads: copies, set back
         set_model_state_dict(model, in_plan_layout(plain, {name: state[name] for name in plain}, model.config),
                              options=StateDictOptions(strict=False))  # a tied lm_head is not in plain

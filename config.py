@@ -1,7 +1,6 @@
 """config.toml and `--section.key value` overrides: every key, its type, and the checks on it,
 all made before any process group starts, so a bad value stops the run with one line."""
 
-import csv
 import logging
 import math
 import os
@@ -11,12 +10,10 @@ from pathlib import Path
 
 import torch
 from torch._dynamo import list_backends
-from transformers import AutoConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from checkpoint import MARKER, checkpoint_state
-from materialize import hf_folder_mismatch
+import hub_folder
 from model import DECODER_LAYERS, build_model, hf_config
 
 SCHEMA = {  # every key and its type, in config.toml's order
@@ -103,59 +100,9 @@ def load_config(path: str, world_size: int, overrides: dict[str, object] | None 
 
 
 def read_hf_folder(cfg: dict, overrides: dict) -> None:
-    """With checkpoint.initial_load_in_hf, [model] becomes the folder's config.json as transformers reads it
-    (legacy rope_scaling and rope_theta too), its model_type naming the family, with [model]'s
-    attn_implementation, which no weight depends on. A family other than Llama trains by recipe B. A family
-    reach.csv does not record correct, or a --model.key that disagrees with the folder, is an error."""
-    c = cfg.get("checkpoint", {})
-    if not (c.get("enable") is True and c.get("initial_load_in_hf") is True and c.get("initial_load_path")):
-        return
-    path, name = Path(c["initial_load_path"]), f"checkpoint.initial_load_path = {c['initial_load_path']!r}"
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{name}: transformers cannot read its config.json: {str(e).strip().splitlines()[0]}") from None
-    if problem := family_problem(config):
-        raise ConfigError(f"{name} holds a {config.model_type!r} model, {problem}")
-    found = {key: value for key, value in config.to_dict().items() if key not in ("_name_or_path", "transformers_version")}
-    attention = cfg.get("model", {}).get("attn_implementation", "sdpa")  # eager where HF has no SDPA (gemma2)
-    found["attn_implementation"] = "eager" if not MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._supports_sdpa else attention
-    for dotted, value in overrides.items():
-        have = {"model": found}
-        for key in dotted.split("."):
-            have = have.get(key) if isinstance(have, dict) else None
-        require(not dotted.startswith("model.") or dotted == "model.attn_implementation" or have == value,
-                f"--{dotted} = {value!r}, but {path}/config.json has {dotted[6:]} = {have!r} (as transformers reads it): "
-                "[model] comes from the folder")
-    cfg["model"] = found
-    if config.model_type != "llama":  # recipe B: HF's own layer, attention's input gathered at its norm's output
-        for key, value in RECIPE_B.items():
-            require(overrides.get(f"parallelism.{key}", value) == value, f"parallelism.{key} = {overrides.get(f'parallelism.{key}')!r}"
-                    f": a {config.model_type!r} model trains by recipe B, with parallelism.{key} = {value!r}")
-        cfg.setdefault("parallelism", {}).update(RECIPE_B)
-
-
-RECIPE_B = {"decoder_layer": "stock", "attention_gather": "norm_output"}
-REACH = Path(__file__).with_name("reach.csv")  # reach.py's verdicts per family and torch
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")  # reach.py's
-
-
-def family_problem(config) -> str | None:
-    """Why recipe B cannot train this config's family, from reach.csv's verdict on this torch (on the
-    pinned 2.15.0 where it has none for this one); None where it matches one process per parameter.
-    A variant (`phi3+mha`: as many key/value heads as heads) is the row its config fits."""
-    rows = list(csv.DictReader(REACH.open()))
-    rows = [r for r in rows if r["torch"] == torch.__version__.split("+")[0]] or [r for r in rows if r["torch"] == "2.15.0"]
-    verdicts, family = {r["family"]: r for r in rows if not r["window"]}, config.model_type
-    fits = lambda flag: config.num_key_value_heads == config.num_attention_heads if flag == "mha" else getattr(config, flag, False)  # noqa: E731
-    row = next((r for f, r in verdicts.items() if f.startswith(family + "+") and fits(f.split("+")[1])), verdicts.get(family))
-    if row is None:
-        moe = any((getattr(config, key, 0) or 0) > 1 for key in MOE_KEYS)
-        return ("a mixture of experts: recipe B's plan shards dense MLPs" if moe else "which recipe B has not been tried on") \
-            + " (reach.csv, RESULTS.md's \"Recipe B's reach\")"
-    if not row["verdict"].startswith("correct"):
-        return f"which reach.csv records as {row['verdict']} on torch {row['torch']}: {row['error']}"
-    return None
+    """With checkpoint.initial_load_in_hf, [model] becomes the folder's (hub_folder.read); its problem in one line."""
+    if problem := hub_folder.read(cfg, overrides):
+        raise ConfigError(problem)
 
 
 def validate(cfg: dict, world_size: int) -> None:
@@ -325,7 +272,7 @@ def check_checkpoint(c: dict, model_cfg: dict) -> None:
     require(path.is_dir(), f"{name} is not a folder")
     require(os.access(path, os.R_OK | os.X_OK), f"{name} cannot be read")
     if c["initial_load_in_hf"]:  # [model] is its config.json: the tensors must fit it
-        problem = hf_folder_mismatch(path, model_cfg)
+        problem = hub_folder.mismatch(path, model_cfg)
         require(problem is None, f"{name} does not fit its config.json: {problem}")
     else:
         require(checkpoint_state(path) == "complete", f"{name} is not a complete DCP checkpoint (no valid {MARKER})")

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+import hub_folder
 from checkpoint import CheckpointError, is_rank0, why_save_failed
 from hf_layout import in_hf_layout
 from model import hf_config
@@ -24,9 +25,10 @@ from workarounds import set_comm_timeout
 
 def save_hf(cfg: dict, step: int, model, tokenizer, log) -> None:
     """step-N-hf/: the weights in the source folder's dtype, with its config, generation config and
-    `tokenizer` (data.Corpus's), in files as save_pretrained splits them. Each rank writes its shards
-    (DCP's HuggingFaceStorageWriter), then joins some of the Hub's files from every rank's: no rank
-    holds more than one whole tensor. Built in step-N-hf.tmp, renamed once whole."""
+    `tokenizer` (data.Corpus's), in files as save_pretrained splits them, under the source's names. Each rank
+    writes its shards (DCP's HuggingFaceStorageWriter), then joins some of the Hub's files from every rank's:
+    no rank holds more than one whole tensor. The source's other tensors (a composite's vision tower and
+    projector) are copied as they are, into files of their own. Built in step-N-hf.tmp, renamed once whole."""
     start, path = time.perf_counter(), Path(cfg["checkpoint"]["folder"]) / f"step-{step}-hf"
     tmp = path.with_name(path.name + ".tmp")
     set_comm_timeout(cfg["comm"]["init_timeout_seconds"])  # the others wait while rank 0 writes
@@ -34,14 +36,19 @@ def save_hf(cfg: dict, step: int, model, tokenizer, log) -> None:
     weights = in_hf_layout(get_model_state_dict(model), model.config)
     if model.config.tie_word_embeddings:
         del weights["lm_head.weight"]  # as HF saves a tied model
-    weights = {name: w.detach().to(config.dtype) for name, w in weights.items()}
-    files = hub_files(weights, cfg["checkpoint"]["hf_max_shard_mb"] * 10**6)
-    size = sum(w.numel() * w.element_size() for w in weights.values())
+    names, found = hub_folder.tensors(source) if source else ({}, {})
+    weights = {names.get(name, name): w.detach().to(config.dtype) for name, w in weights.items()}
+    others = {name: nbytes for name, (_, nbytes, _) in found.items() if name not in names.values()}
+    max_bytes = cfg["checkpoint"]["hf_max_shard_mb"] * 10**6
+    files = hub_files({name: w.numel() * w.element_size() for name, w in weights.items()}, max_bytes)
+    files |= hub_files(others, max_bytes, first=max(files.values()) + 1)
+    size = sum(w.numel() * w.element_size() for w in weights.values()) + sum(others.values())
     try:  # each step on every rank, then every rank hears of any rank's failure
         on_every_rank(tmp, remove, tmp, rank0_only=True)  # an unfinished export's, or a stray file
         on_every_rank(tmp, dcp.save, weights, storage_writer=HuggingFaceStorageWriter(  # a file per Hub file
-            str(tmp / "sharded"), fqn_to_index_mapping=files, save_distributed=True))
-        on_every_rank(tmp, join_shards, tmp, files)
+            str(tmp / "sharded"), fqn_to_index_mapping={name: files[name] for name in weights}, save_distributed=True))
+        on_every_rank(tmp, join_shards, tmp, files, weights)
+        on_every_rank(tmp, copy_others, source, tmp, files, found, others)
         on_every_rank(tmp, finish_hf_folder, tmp, path, files, size, config, source, tokenizer, rank0_only=True)
     except ExportFailed as failure:
         if is_rank0():
@@ -74,12 +81,11 @@ def export_config(cfg: dict, tokenizer):
     return config, source
 
 
-def hub_files(weights: dict, max_bytes: int) -> dict[str, int]:
-    """Tensor name -> file 1, 2, ..., as save_pretrained's max_shard_size splits: in order, a new file
-    where the next tensor would pass `max_bytes` (a larger tensor is a file alone)."""
-    number, size, files = 1, 0, {}
-    for name, w in weights.items():
-        nbytes = w.numel() * w.element_size()
+def hub_files(sizes: dict[str, int], max_bytes: int, first: int = 1) -> dict[str, int]:
+    """Tensor name -> file `first`, ..., as save_pretrained's max_shard_size splits: in order, a new file
+    where the next tensor (of `sizes` bytes) would pass `max_bytes` (a larger tensor is a file alone)."""
+    number, size, files = first, 0, {}
+    for name, nbytes in sizes.items():
         if size and size + nbytes > max_bytes:
             number, size = number + 1, 0
         files[name], size = number, size + nbytes
@@ -91,15 +97,29 @@ def hub_file_name(number: int, files: dict) -> str:
     return "model.safetensors" if last == 1 else f"model-{number:05d}-of-{last:05d}.safetensors"
 
 
-def join_shards(tmp: Path, files: dict[str, int]) -> None:
+def join_shards(tmp: Path, files: dict[str, int], weights: dict) -> None:
     """This rank's share of the Hub's files (every world-size-th), each tensor joined from every rank's
     shards in tmp/sharded. Not torch's consolidate_safetensors_files_on_every_rank: it writes no index on
     torch 2.10 (pytorch/torchtitan#2137) and on 2.15 only with a process group, and a rank whose write
     fails leaves the others in its barrier until the timeout; here every rank hears of it (on_every_rank)."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    mine = {tensor: hub_file_name(n, files) for tensor, n in files.items() if (n - 1) % world == rank}
+    mine = {tensor: hub_file_name(n, files) for tensor, n in files.items() if (n - 1) % world == rank and tensor in weights}
     if mine:
         _consolidate_safetensors_files(str(tmp / "sharded"), str(tmp), mine, num_threads=1)
+
+
+def copy_others(source: Path | None, tmp: Path, files: dict[str, int], found: dict, others: dict) -> None:
+    """This rank's share of the files holding the source's other tensors, each read and written as it is."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    for number in sorted({files[name] for name in others if (files[name] - 1) % world == rank}):
+        tensors = {}
+        for name in (name for name in others if files[name] == number):
+            with safe_open(source / found[name][2], "pt") as f:
+                tensors[name] = f.get_tensor(name)
+        save_file(tensors, tmp / hub_file_name(number, files), metadata={"format": "pt"})
 
 
 def remove(path: Path) -> None:

@@ -3,10 +3,8 @@
 `build_on_meta` records every in-place op HF's construction runs on a parameter (the layers'
 `reset_parameters`, then `post_init`'s `_init_weights`); `materialize` replays them in order on
 one full-size host tensor at a time, so the CPU generator gives the weights one seeded process
-builds, and keeps each rank's piece. `hf_folder_mismatch` checks that an HF folder's tensors fit
-[model] (checkpoint.load_hf reads each rank's piece of them)."""
+builds, and keeps each rank's piece."""
 from dataclasses import dataclass
-from pathlib import Path
 from unittest import mock
 
 import torch
@@ -16,7 +14,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from family_plan import fused_placements
-from model import build_model
 
 
 class InitOps(TorchDispatchMode):
@@ -97,26 +94,6 @@ def replay_init(ops, seed: int) -> None:
         if weight is not None and last[id(weight)] == i:
             param = getattr(*weight.owners[0])
             local(param).copy_(full[piece(shape, param)])
-
-
-def hf_folder_mismatch(path: Path, model_cfg: dict) -> str | None:
-    """Which tensor of an HF folder's safetensors has another shape than [model] (its config.json,
-    as config.model_from_hf_folder reads it) builds, in a few words; None if none does."""
-    from safetensors import safe_open
-
-    with torch.device("meta"):
-        want = {k: list(v.shape) for k, v in build_model(model_cfg).state_dict().items()
-                if not (k == "lm_head.weight" and model_cfg["tie_word_embeddings"])}
-    have = {}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        return "no *.safetensors file"
-    for file in files:
-        with safe_open(file, "pt") as f:
-            have.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
-    unused = {"lm_head.weight"} if model_cfg["tie_word_embeddings"] else set()  # some tied exports keep a copy
-    wrong = next((key for key in sorted(want.keys() | have.keys() - unused) if want.get(key) != have.get(key)), None)
-    return f"{wrong} has shape {have.get(wrong, 'none')} there, {want.get(wrong, 'none')} for [model]" if wrong else None
 
 
 def piece(shape: tuple, param) -> tuple:

@@ -61,7 +61,7 @@ DECODER_LAYERS = {"positional": PositionalLlamaDecoderLayer, "stock": LlamaDecod
 
 def hf_config(model_cfg: dict) -> PretrainedConfig:
     """[model] as its transformers config: config.toml's Llama keys, or an HF folder's whole config.json
-    with its model_type (config.read_hf_folder). For the model, its parameter count and the HF export."""
+    with its model_type (hub_folder.read). For the model, its parameter count and the HF export."""
     if "model_type" in model_cfg:
         return AutoConfig.for_model(**model_cfg)
     return LlamaConfig(**model_cfg, architectures=[LlamaForCausalLM.__name__])
