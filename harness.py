@@ -306,6 +306,32 @@ def make_hub_family(folder: Path, family: str, window: int | None = None, seed: 
     return folder
 
 
+COMPOSITES = {  # the text model at the tests' sizes (4 blocks, vocabulary over make_tokenizer's), a vision tower of one block
+    "qwen3_5": dict(text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_BLOCKS,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                                     linear_num_key_heads=2, linear_key_head_dim=16, linear_num_value_heads=4,
+                                     linear_value_head_dim=16),  # value heads twice the key heads: v of another size
+                    vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                                       patch_size=4, num_position_embeddings=64)),
+    "gemma3": dict(text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_BLOCKS,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                                    sliding_window=16),  # tied, as Gemma 3 4B-27B
+                   vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      image_size=32, patch_size=8), mm_tokens_per_image=4),
+}
+
+
+def make_hub_composite(folder: Path, family: str, seed: int = 0) -> Path:
+    """A randomly initialised vision + text model of COMPOSITES[family] as stock transformers' save_pretrained
+    writes it, in bfloat16, with make_tokenizer's tokenizer: what users download as Qwen3.5 or Gemma 3 4B."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(family, **COMPOSITES[family])
+    AutoModelForImageTextToText.from_config(config).to(torch.bfloat16).save_pretrained(folder)
+    return make_tokenizer(folder)
+
+
 def make_documents(path: Path, count: int = 40, seed: int = 0) -> Path:
     """`count` documents of different lengths, cut from the standard library, as JSON lines with a `text` field."""
     import json

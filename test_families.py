@@ -95,12 +95,13 @@ def test_a_familys_export_is_its_source_folder_with_the_trained_weights(folders,
 
 def test_a_family_recipe_b_cannot_train_is_one_line_before_any_process_group(folders, tmp_path, capsys, monkeypatch):
     """Through train.config_or_exit: reach.csv's verdict and its reason, a mixture of experts, a family
-    never tried, and a recipe other than B for a family other than Llama; each exit 2 in one line."""
+    never tried, a composite whose text family is refused, and a recipe other than B for a family other
+    than Llama; each exit 2 in one line."""
     from transformers import AutoConfig
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    for family in ("phi", "opt", "mixtral", "gpt2"):
+    for family in ("phi", "opt", "mixtral", "gpt2", "qwen3_5_moe"):
         AutoConfig.for_model(family).save_pretrained(tmp_path / family)
     hf = ["--checkpoint.enable", "true", "--checkpoint.folder", str(tmp_path / "ckpt"), "--checkpoint.initial_load_in_hf",
           "true", "--data.path", str(folders["docs"]), "--checkpoint.initial_load_path"]
@@ -111,6 +112,8 @@ def test_a_family_recipe_b_cannot_train_is_one_line_before_any_process_group(fol
         (hf + [str(tmp_path / "mixtral")], "holds a 'mixtral' model, a mixture of experts: recipe B's plan shards "
          "dense MLPs (reach.csv, RESULTS.md's \"Recipe B's reach\")"),
         (hf + [str(tmp_path / "gpt2")], "holds a 'gpt2' model, which recipe B has not been tried on (reach.csv"),
+        (hf + [str(tmp_path / "qwen3_5_moe")], "holds a 'qwen3_5_moe' model whose text model is 'qwen3_5_moe_text', a "
+         "mixture of experts: recipe B's plan shards dense MLPs"),  # a composite: its text family's verdict
         (hf + [str(folders["qwen3"]), "--parallelism.attention_gather", "pre_hook"], "parallelism.attention_gather = "
          "'pre_hook': a 'qwen3' model trains by recipe B, with parallelism.attention_gather = 'norm_output'"),
         (hf + [str(folders["qwen3"]), "--training.local_batch_size", "2", "--training.seq_len", "64"], None),

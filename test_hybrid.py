@@ -1,6 +1,9 @@
 """Qwen3.5's hybrid layers (Gated DeltaNet beside gated attention): packed documents stay apart in the
 linear-attention layers' convolution and recurrent state, as attention's block-causal masks keep them."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -74,3 +77,58 @@ def test_the_packed_window_gives_every_parameter_the_gradient_of_the_document_al
     packed = gradients(F.cross_entropy(forward_logits(model, ids, positions)[0, :-1], targets))
     for name in alone:
         torch.testing.assert_close(packed[name], alone[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _heads_main(rank: int, port: int, out: str) -> None:
+    """TP 2 on a Qwen3.5 text model whose value heads are twice its key heads: each Gated DeltaNet parameter's
+    local piece against the whole one's; then its rows in HF's order for DCP (hf_layout) and back."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import parallelize
+    from harness import join_gloo
+    from hf_layout import in_hf_layout, in_plan_layout
+
+    join_gloo(rank, 2, port)
+    torch.manual_seed(0)
+    whole = build_model({**SIZES, "linear_value_head_dim": 8, "linear_num_value_heads": 8})  # v: 64 rows, q and k: 32
+    model = build_model({**SIZES, "linear_value_head_dim": 8, "linear_num_value_heads": 8})
+    model.load_state_dict(whole.state_dict())
+    parallelize.apply_tp(model, init_device_mesh("cpu", (2,)), "stock", "norm_output")
+    wrong = []
+    for name, p in model.named_parameters():
+        if ".linear_attn." not in name:
+            continue
+        full, mine = whole.get_parameter(name).detach(), p.to_local()
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # its key heads' q and k, their value heads' v
+            q, k, v = full.split([32, 32, 64])
+            expected = torch.cat([q.chunk(2)[rank], k.chunk(2)[rank], v.chunk(2)[rank]])
+        elif name.endswith("out_proj.weight"):
+            expected = full.chunk(2, dim=1)[rank]
+        elif name.endswith("norm.weight"):  # over one head's features: every rank's
+            expected = full
+        else:  # in_proj_z, in_proj_a, in_proj_b, A_log, dt_bias: by value head
+            expected = full.chunk(2)[rank]
+        share = 1 if name.endswith("norm.weight") else 2
+        if not (isinstance(p, DTensor) and mine.numel() * share == full.numel() and torch.equal(mine, expected)):
+            wrong.append(name)
+    state = model.state_dict()
+    hf = in_hf_layout(state, model.config)
+    wrong += [f"in HF's order: {n}" for n, v in hf.items() if not torch.equal(v.full_tensor(), whole.state_dict()[n])]
+    back = in_plan_layout(hf, state, model.config)
+    wrong += [f"back: {n}" for n, v in back.items() if not torch.equal(v.to_local(), state[n].to_local())]
+    if rank == 0:
+        Path(out).write_text(json.dumps(wrong))
+    dist.destroy_process_group()
+
+
+def test_each_rank_holds_its_heads_share_of_every_gated_deltanet_parameter(tmp_path):
+    """hybrid_plan.linear_attention_plan on TP 2: every linear-attention parameter is a DTensor whose local piece
+    is 1/TP of the whole, its own heads' rows (the gated norm, over one head's features, whole on each rank);
+    hf_layout gives in_proj_qkv's and conv1d's rows in HF's order and takes them back."""
+    from conftest import spawn
+
+    out = tmp_path / "heads.json"
+    spawn(_heads_main, lambda port: (port, str(out)), 2, "Gated DeltaNet shards on TP 2")
+    assert json.loads(out.read_text()) == []
