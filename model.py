@@ -72,8 +72,6 @@ def build_model(model_cfg: dict, decoder_layer: str = "positional"):
     `DECODER_LAYERS[decoder_layer]`; the positional layer adds no state, so one seed gives the same
     weights with either layer. Other families keep their own layer: recipe B needs no hook on it."""
     config = hf_config(model_cfg)
-    if "linear_attention" in (getattr(config, "layer_types", None) or ()):  # Qwen3.5's Gated DeltaNet
-        keep_documents_apart_in_linear_attention()
     model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
     if isinstance(model, LlamaForCausalLM):
         for block in model.model.layers:
@@ -92,7 +90,7 @@ def forward_logits(model, input_ids, position_ids=None):
     """Logits, with position_ids and masks for the whole sequence: under sequence parallel HF
     would build them from each rank's 1/TP of it. Packed documents' `position_ids` restart at each
     document: each mask is then block-causal and always built (batch x seq_len² bools), and linear
-    attention's state restarts there (`seq_idx`: each token's document, hybrid_plan.py)."""
+    attention's convolution and state restart there (Qwen3.5's: hybrid_plan.py)."""
     packed = position_ids is not None
     if not packed:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
@@ -103,7 +101,6 @@ def forward_logits(model, input_ids, position_ids=None):
              for kind in set(kinds or [one_kind])}
     if packed:  # HF expands a batch without restarts from one row: the compiled blocks' guards want one layout
         masks = {kind: mask if mask is None else mask.contiguous() for kind, mask in masks.items()}
-    hybrid = packed and "linear_attention" in masks
-    documents = {"seq_idx": (position_ids == 0).cumsum(-1, dtype=torch.int32)} if hybrid else {}
+    documents = keep_documents_apart_in_linear_attention(position_ids) if packed and "linear_attention" in masks else {}
     return model(input_ids=input_ids, attention_mask=masks if kinds else masks[one_kind],
                  position_ids=position_ids, use_cache=False, **documents).logits
