@@ -1,5 +1,5 @@
 """A TP plan for any HF decoder family, derived from the modules its blocks hold; the refusals of
-what it cannot make correct; and what FSDP2 and DCP need for its fused weights. For Llama blocks
+what it cannot make correct; and what FSDP2 needs for its fused weights (DCP's: hf_layout.py). For Llama blocks
 it gives parallelize.LLAMA_BLOCK_PLAN (test_recompile). RESULTS.md, "Recipe B's reach": 66 families."""
 
 import ast
@@ -11,12 +11,12 @@ import textwrap
 
 import torch
 import torch.nn as nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from hf_layout import blocks_exchanged, fused_placements
 from hybrid_plan import linear_attention_plan
 
 
@@ -147,42 +147,12 @@ def parts_by_all_to_all(local: torch.Tensor, parts: int, mesh) -> torch.Tensor:
     return blocks_exchanged(local, -1, parts, mesh, 0, to_strided=True)
 
 
-def blocks_exchanged(local: torch.Tensor, dim: int, parts: int, mesh, i: int, to_strided: bool) -> torch.Tensor:
-    """`local`'s parts x TP equal blocks on `dim` (block b: part b // TP's (b % TP)-th 1/TP), moved by one
-    all-to-all in mesh dim i's group between Shard's order (rank r: blocks r*parts...) and the strided one
-    (rank r: blocks r, r + TP, ...), each rank's in the order of b; differentiable."""
-    tp = mesh.size(i)
-    shard, strided = [[q * parts + k for k in range(parts)] for q in range(tp)], [[k * tp + q for k in range(parts)] for q in range(tp)]
-    now, then = (shard, strided) if to_strided else (strided, shard)
-    return rows_moved(local.movedim(dim, 0), now, then, mesh, i).movedim(0, dim).contiguous()
-
-
-def rows_moved(local: torch.Tensor, now: list, then: list, mesh, i: int) -> torch.Tensor:
-    """`local`'s equal blocks of rows (rank q holds blocks now[q], in that order) moved by one all-to-all in
-    mesh dim i's group so that rank q holds blocks then[q], in that order."""
-    tp, r = mesh.size(i), mesh.get_local_rank(i)
-    owner = {b: q for q in range(tp) for b in then[q]}
-    sent = sorted(now[r], key=lambda b: (owner[b], then[owner[b]].index(b)))
-    blocks = local.unflatten(0, (len(now[r]), -1))[[now[r].index(b) for b in sent]].contiguous()
-    came = [b for q in range(tp) for b in sorted((b for b in now[q] if owner[b] == r), key=then[r].index)]
-    received = all_to_all_single_autograd(blocks, [sum(owner[b] == r for b in now[q]) for q in range(tp)],
-                                          [sum(owner[b] == q for b in now[r]) for q in range(tp)], (mesh, i))
-    return received[[came.index(b) for b in then[r]]].flatten(0, 1)
-
-
 def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
     """FSDP2's `shard_placement_fn`: Shard(1) for a fused weight, as FSDP's default Shard(0) over
     its rows would be mislabelled (its `full_tensor()`, so the HF export, goes wrong in silence)."""
     if getattr(param, "rows_by_heads", None):  # hybrid_plan.RowsByHeads: its rows are TP's (conv1d: [rows, 1, width])
         return Shard(param.ndim - 1)
     return Shard(1) if isinstance(param, DTensor) and fused_placements(param.placements) else None
-
-
-def fused_placements(placements) -> list[int]:
-    """The mesh dims of a fused weight's _StridedShard: not FSDP's own over a TP-sharded dim
-    (torch 2.10.0's label for 2D), which a later mesh dim's Shard of the same tensor dim follows."""
-    return [i for i, p in enumerate(placements)
-            if isinstance(p, _StridedShard) and not any(q.is_shard(p.dim) for q in placements[i + 1:])]
 
 
 class LocalHeads(ParallelStyle):

@@ -1,15 +1,16 @@
 """Every weight in HF's layout, as Shard rows, for DCP and the export, and back into the plan's: a fused
 weight's _StridedShard rows (family_plan.FusedColwiseParallel), and Gated DeltaNet's rows held by heads
-(hybrid_plan.RowsByHeads), each exchanged by one all-to-all in TP's group: no rank holds more than its rows."""
+(hybrid_plan.RowsByHeads), each exchanged by one all-to-all in TP's group: no rank holds more than its rows.
+Beside family_plan.py: what only a checkpointing trainer needs of it."""
 
 import math
 
-from torch.distributed._functional_collectives import wait_tensor
+import torch
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map_with_path
 
-from family_plan import blocks_exchanged, fused_placements, rows_moved
 
 
 def in_hf_layout(state, config):
@@ -87,3 +88,33 @@ def rows_reordered(value, parts: tuple, to_hf: bool):
     now, then = (rank_order, hf_order) if to_hf else (hf_order, rank_order)
     local = wait_tensor(rows_moved(value.to_local().detach(), now, then, mesh, i))
     return DTensor.from_local(local, mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+
+
+def fused_placements(placements) -> list[int]:
+    """The mesh dims of a fused weight's _StridedShard: not FSDP's own over a TP-sharded dim
+    (torch 2.10.0's label for 2D), which a later mesh dim's Shard of the same tensor dim follows."""
+    return [i for i, p in enumerate(placements)
+            if isinstance(p, _StridedShard) and not any(q.is_shard(p.dim) for q in placements[i + 1:])]
+
+
+def blocks_exchanged(local: torch.Tensor, dim: int, parts: int, mesh, i: int, to_strided: bool) -> torch.Tensor:
+    """`local`'s parts x TP equal blocks on `dim` (block b: part b // TP's (b % TP)-th 1/TP), moved by one
+    all-to-all in mesh dim i's group between Shard's order (rank r: blocks r*parts...) and the strided one
+    (rank r: blocks r, r + TP, ...), each rank's in the order of b; differentiable."""
+    tp = mesh.size(i)
+    shard, strided = [[q * parts + k for k in range(parts)] for q in range(tp)], [[k * tp + q for k in range(parts)] for q in range(tp)]
+    now, then = (shard, strided) if to_strided else (strided, shard)
+    return rows_moved(local.movedim(dim, 0), now, then, mesh, i).movedim(0, dim).contiguous()
+
+
+def rows_moved(local: torch.Tensor, now: list, then: list, mesh, i: int) -> torch.Tensor:
+    """`local`'s equal blocks of rows (rank q holds blocks now[q], in that order) moved by one all-to-all in
+    mesh dim i's group so that rank q holds blocks then[q], in that order."""
+    tp, r = mesh.size(i), mesh.get_local_rank(i)
+    owner = {b: q for q in range(tp) for b in then[q]}
+    sent = sorted(now[r], key=lambda b: (owner[b], then[owner[b]].index(b)))
+    blocks = local.unflatten(0, (len(now[r]), -1))[[now[r].index(b) for b in sent]].contiguous()
+    came = [b for q in range(tp) for b in sorted((b for b in now[q] if owner[b] == r), key=then[r].index)]
+    received = all_to_all_single_autograd(blocks, [sum(owner[b] == r for b in now[q]) for q in range(tp)],
+                                          [sum(owner[b] == q for b in now[r]) for q in range(tp)], (mesh, i))
+    return received[[came.index(b) for b in then[r]]].flatten(0, 1)

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from family_plan import fused_placements
+from hf_layout import fused_placements
 
 
 class InitOps(TorchDispatchMode):

@@ -133,8 +133,7 @@ def _load_main(rank: int, port: int, folders: dict, out: str) -> None:
     from checkpoint import load_hf
     from config import read_hf_folder, validate
     from conftest import join_gloo, small_config
-    from family_plan import fused_placements
-    from hf_layout import placed_like, without_strided_shards
+    from hf_layout import fused_placements, placed_like, without_strided_shards
     from harness import hf_name
     from test_materialize import LargestCopy
 
