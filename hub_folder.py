@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from hybrid_plan import keep_documents_apart_in_linear_attention
 from model import build_model
 
 RECIPE_B = {"decoder_layer": "stock", "attention_gather": "norm_output"}
@@ -49,6 +50,8 @@ def read(cfg: dict, overrides: dict) -> str | None:
             return (f"--{dotted} = {value!r}, but {path}/config.json has {dotted[6:]} = {have!r} (as transformers reads it): "
                     "[model] comes from the folder")
     cfg["model"] = found
+    if "linear_attention" in found.get("layer_types", ()):  # Qwen3.5's Gated DeltaNet, on one process too
+        keep_documents_apart_in_linear_attention()
     if config.model_type != "llama":  # recipe B: HF's own layer, attention's input gathered at its norm's output
         for key, value in RECIPE_B.items():
             if overrides.get(f"parallelism.{key}", value) != value:

@@ -15,7 +15,7 @@ def linear_attention_plan(gdn: nn.Module) -> dict:
     """Gated DeltaNet by heads: rank r computes its key heads and their value heads and nothing else. The
     input is attention's (gathered at the norm's output); the projections' outputs stay this rank's heads
     through the convolution, the gated delta rule and the gated norm; out_proj reduce-scatters to Shard(1)."""
-    patch_linear_attention_kernels()  # which take this plan's DTensors as this rank's heads
+    keep_documents_apart_in_linear_attention()  # its kernels take this plan's DTensors as this rank's heads
     parts = (gdn.key_dim, gdn.key_dim, gdn.value_dim)  # in_proj_qkv's and conv1d's rows: [q; k; v]
     return {
         "linear_attn": LinearAttentionHeads(),
@@ -79,20 +79,14 @@ class NormPerHead(ParallelStyle):
             lambda _norm, output, mesh: output.to_local())
 
 
-def keep_documents_apart_in_linear_attention(position_ids: torch.Tensor) -> dict:
+def keep_documents_apart_in_linear_attention() -> None:
     """Workaround, transformers 5.24.0: Qwen3.5's torch kernels (`causal_conv1d_fn`, `torch_chunk_gated_delta_rule`)
     cannot keep packed documents apart. Given position_ids alone, their convolution window and recurrent state run
     on into the next document; given cu_seqlens or seq_idx, transformers refuses them without causal-conv1d and
     flash-linear-attention, GPU kernels (modelscope/ms-swift#9565; torchtitan's own Qwen3.5: pytorch/torchtitan#3892).
-    Returns the model's keyword `seq_idx` (each token's document: position_ids restart at 0 in each), which the
-    kernels patch_linear_attention_kernels puts in place honour. test_hybrid.py says when this can go."""
-    patch_linear_attention_kernels()
-    return {"seq_idx": (position_ids == 0).cumsum(-1, dtype=torch.int32)}
-
-
-def patch_linear_attention_kernels() -> None:
-    """transformers' two kernels, replaced once: with `seq_idx`, each restarts at every document (by document,
-    below); without it, they are transformers'. Both take linear_attention_plan's DTensors as this rank's heads."""
+    The two, replaced once: given `seq_idx` (each token's document, model.forward_logits), each restarts at
+    every document; without it, they are transformers'. Both take linear_attention_plan's DTensors as this
+    rank's heads. test_hybrid.py says when this can go."""
     if getattr(modeling_qwen3_5.causal_conv1d_fn, "by_document", False):
         return
     library_conv, library_rule = modeling_qwen3_5.causal_conv1d_fn, modeling_qwen3_5.torch_chunk_gated_delta_rule

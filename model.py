@@ -8,12 +8,11 @@ one recompile per block (pytorch/pytorch#170110, fixed by #172519 in 2.11).
 
 import torch
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM, PretrainedConfig
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (create_causal_mask, create_recurrent_attention_mask,
+                                        create_sliding_window_causal_mask)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.utils.deprecation import deprecate_kwarg
-
-from hybrid_plan import keep_documents_apart_in_linear_attention
 
 
 class PositionalLlamaDecoderLayer(LlamaDecoderLayer):
@@ -81,26 +80,26 @@ def build_model(model_cfg: dict, decoder_layer: str = "positional"):
     return model
 
 
-# The masks forward_logits builds, by HF's layer type (config.layer_types); linear attention takes none.
+# The masks forward_logits builds, by HF's layer type (config.layer_types); linear attention's is None here.
 MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask,
-         "linear_attention": lambda *args, **kwargs: None}
+         "linear_attention": create_recurrent_attention_mask}
 
 
 def forward_logits(model, input_ids, position_ids=None):
     """Logits, with position_ids and masks for the whole sequence: under sequence parallel HF
     would build them from each rank's 1/TP of it. Packed documents' `position_ids` restart at each
-    document: each mask is then block-causal and always built (batch x seq_len² bools), and linear
-    attention's convolution and state restart there (Qwen3.5's: hybrid_plan.py)."""
+    document: each mask is then block-causal and always built (batch x seq_len² bools)."""
     packed = position_ids is not None
     if not packed:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
     shape = torch.empty(*input_ids.shape, 0, dtype=model.dtype, device=input_ids.device)  # batch, length, dtype
     kinds = getattr(model.config, "layer_types", None)  # then HF takes a dict by kind
     one_kind = "full_attention" if getattr(model.config, "sliding_window", None) is None else "sliding_attention"
-    masks = {kind: MASKS[kind](model.config, shape, None, None, position_ids, allow_is_causal_skip=not packed)
+    masks = {kind: MASKS[kind](model.config, shape, None, None, position_ids=position_ids, allow_is_causal_skip=not packed)
              for kind in set(kinds or [one_kind])}
     if packed:  # HF expands a batch without restarts from one row: the compiled blocks' guards want one layout
         masks = {kind: mask if mask is None else mask.contiguous() for kind, mask in masks.items()}
-    documents = keep_documents_apart_in_linear_attention(position_ids) if packed and "linear_attention" in masks else {}
+    hybrid = packed and "linear_attention" in masks  # Qwen3.5's convolution and state restart at each document
+    documents = {"seq_idx": (position_ids == 0).cumsum(-1, dtype=torch.int32)} if hybrid else {}
     return model(input_ids=input_ids, attention_mask=masks if kinds else masks[one_kind],
                  position_ids=position_ids, use_cache=False, **documents).logits

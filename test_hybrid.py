@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybrid_plan import keep_documents_apart_in_linear_attention
 from model import build_model, forward_logits
 
 SIZES = dict(model_type="qwen3_5_text", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -25,6 +26,7 @@ def hybrid():
     """(a float32 Qwen3.5 text model of 3 Gated DeltaNet layers and 1 attention layer, a document). Its
     state decays slowly, as a trained model's long-memory heads: at HF's init (decay rates up to 16)
     a state leaked across a copy's first chunk has faded by the next."""
+    keep_documents_apart_in_linear_attention()  # as hub_folder.read does for a Qwen3.5 folder
     torch.manual_seed(0)
     model = build_model(SIZES).eval()
     with torch.no_grad():
