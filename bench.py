@@ -7,6 +7,7 @@
                                                   # train.py's --section.key value overrides: any shape, dtype
     python bench.py --data DOCS --tokenizer FOLDER --seq-len 2048 --batch 8
                                                   # the data path alone: tokenization, cached start-up, windows/s
+    python bench.py --make-qwen3-5 FOLDER          # a Qwen3.5 folder at 0.8B's widths, 4 layers, and documents
 
 Variants, same shapes, data, seed, optimizer, TP degree, AC (full unless --ac none), inductor per block,
 and compute dtype (training.mixed_precision_param: bfloat16 autocasts every variant's forward):
@@ -298,11 +299,14 @@ def main() -> None:
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--data", help="time the data path alone on these documents (data.path), nothing else")
     parser.add_argument("--tokenizer", default="bytes", help="with --data: data.tokenizer")
+    parser.add_argument("--make-qwen3-5", metavar="FOLDER", help="a Qwen3.5 folder at 0.8B's widths, 4 layers; FOLDER/docs.jsonl")
     parser.add_argument("--make-conversations", nargs=2, metavar=("COUNT", "PATH"),
                         help="write COUNT conversations from the standard library's docstrings to PATH, nothing else")
     args, args.override_args = parser.parse_known_args()
     if args.make_conversations:
         return make_conversations(args.make_conversations[1], int(args.make_conversations[0]))
+    if args.make_qwen3_5:
+        return make_qwen3_5(Path(args.make_qwen3_5))
     if args.data:
         return bench_data(args.data, args.tokenizer, args.seq_len, args.batch)
     try:  # the rest: train.py's --section.key value overrides, read by its parser
@@ -412,6 +416,28 @@ def make_conversations(path: str, count: int) -> None:
         lines.append(json.dumps({"messages": turns}))
     Path(path).write_text("\n".join(lines) + "\n")
     print(f"wrote {count:,} conversations from {len(answers):,} docstring paragraphs to {path}")
+
+
+
+def make_qwen3_5(folder: Path) -> None:
+    """A vision + text Qwen3.5 folder as stock save_pretrained writes it, bf16: the text model at Qwen3.5-0.8B's
+    widths (hidden 1024; attention 8 heads, 2 key/value heads of 256; linear attention 16 key and 16 value heads of
+    128; MLP 3584), 4 of its layers (3 Gated DeltaNet, 1 gated attention), a 32,768 vocabulary, harness.py's
+    tokenizer; and 3,000 documents in folder/docs.jsonl."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from harness import make_documents, make_tokenizer
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen3_5", text_config=dict(
+        vocab_size=32768, hidden_size=1024, intermediate_size=3584, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_key_head_dim=128, linear_num_value_heads=16,
+        linear_value_head_dim=128, max_position_embeddings=4096), vision_config=dict(
+        depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=1024, patch_size=16))
+    AutoModelForImageTextToText.from_config(config).to(torch.bfloat16).save_pretrained(folder)
+    make_tokenizer(folder)
+    make_documents(folder / "docs.jsonl", count=3000)
 
 
 if __name__ == "__main__":

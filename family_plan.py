@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hf_layout import blocks_exchanged, fused_placements
-from hybrid_plan import linear_attention_plan
+from hybrid_plan import GATED_DELTANETS, linear_attention_plan
 
 
 class PlanError(ValueError):
@@ -45,6 +45,9 @@ def block_plan(block: nn.Module, attention_gather: str) -> dict:
     so that TP sums its gradient; its output stays a DTensor where attention gathers its input. A
     post-norm block (olmo2) has no such norm: attention gathers by keyword (KWARGS_ATTENTION_INPUT)."""
     gather_at = attention_norm(block) if attention_gather == "norm_output" else "input_layernorm"
+    if hasattr(block, "linear_attn") and not isinstance(block.linear_attn, GATED_DELTANETS):
+        raise PlanError(f"{type(block.linear_attn).__name__} is not Qwen3.5's Gated DeltaNet, the linear attention "
+                        "hybrid_plan shards by heads")
     norms = [name for name, module in block.named_children() if NORM.search(type(module).__name__)]
     plan = {
         **{name: SequenceParallel(use_local_output=name != gather_at) for name in norms},

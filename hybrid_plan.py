@@ -11,6 +11,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
 
+GATED_DELTANETS = (modeling_qwen3_5.Qwen3_5GatedDeltaNet,)  # the linear attention linear_attention_plan knows
+
+
 def linear_attention_plan(gdn: nn.Module) -> dict:
     """Gated DeltaNet by heads: rank r computes its key heads and their value heads and nothing else. The
     input is attention's (gathered at the norm's output); the projections' outputs stay this rank's heads
