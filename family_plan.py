@@ -1,6 +1,11 @@
 """A TP plan for any HF decoder family, derived from the modules its blocks hold; the refusals of
 what it cannot make correct; and what FSDP2 needs for its fused weights (DCP's: hf_layout.py). For Llama blocks
-it gives parallelize.LLAMA_BLOCK_PLAN (test_recompile). RESULTS.md, "Recipe B's reach": 66 families."""
+it gives parallelize.LLAMA_BLOCK_PLAN (test_recompile). RESULTS.md, "Recipe B's reach": 66 families.
+
+With README's `plan`, recipe B and `both`: require_llama_layout_and_masks(model), parallelize_top, then
+parallelize_blocks with block_plan(block, "norm_output") (Qwen3.5: one per layer kind), AC,
+hybrid_plan.a_frame_of_their_own(model.model.layers), per-block compile, FSDP2 with
+shard_placement_fn=fsdp_shard_placement; DCP through hf_layout.in_hf_layout and in_plan_layout."""
 
 import ast
 import copy

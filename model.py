@@ -80,15 +80,14 @@ def build_model(model_cfg: dict, decoder_layer: str = "positional"):
     return model
 
 
-# The masks forward_logits builds, by HF's layer type (config.layer_types); linear attention's is None here.
+# The masks forward_logits builds, by HF's layer type (config.layer_types).
 MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask,
          "linear_attention": create_recurrent_attention_mask}
 
 
 def forward_logits(model, input_ids, position_ids=None):
-    """Logits, with position_ids and masks for the whole sequence: under sequence parallel HF
-    would build them from each rank's 1/TP of it. Packed documents' `position_ids` restart at each
-    document: each mask is then block-causal and always built (batch x seq_len² bools)."""
+    """Logits, with position_ids and masks for the whole sequence (under SP, HF would build them from each
+    rank's 1/TP). Packed documents: position_ids restart at each, the masks are block-causal (batch x seq_len²)."""
     packed = position_ids is not None
     if not packed:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
@@ -99,7 +98,7 @@ def forward_logits(model, input_ids, position_ids=None):
              for kind in set(kinds or [one_kind])}
     if packed:  # HF expands a batch without restarts from one row: the compiled blocks' guards want one layout
         masks = {kind: mask if mask is None else mask.contiguous() for kind, mask in masks.items()}
-    hybrid = packed and "linear_attention" in masks  # Qwen3.5's convolution and state restart at each document
+    hybrid = packed and "linear_attention" in masks  # Qwen3.5's linear attention's too
     documents = {"seq_idx": (position_ids == 0).cumsum(-1, dtype=torch.int32)} if hybrid else {}
     return model(input_ids=input_ids, attention_mask=masks if kinds else masks[one_kind],
                  position_ids=position_ids, use_cache=False, **documents).logits
