@@ -42,6 +42,7 @@ CAUSES = {
     "apertus": "its MLP's xIELU activation has parameters",
     "cohere_compass_text": "its default config has no RoPE parameters for its layer type",
     "gemma3n_text": "its KV-sharing layers do not fit 4 blocks",
+    "qwen3_5_text": "Gated DeltaNet by heads, a graph per layer kind; torch 2.10.0 has no DTensor softplus",
 }
 WINDOWS = (48, 16)  # seq_len / TP < 48 < seq_len; 16 < seq_len / TP
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
@@ -313,11 +314,11 @@ def verdict_table(rows: list[dict]) -> str:
     figure are in the file)."""
     versions = sorted({r["torch"] for r in rows}, key=lambda v: tuple(map(int, v.split("."))), reverse=True)
 
-    def short(error: str) -> str:  # a refusal's line up to its reason; any line's first sentence, to 80 characters
+    def short(error: str) -> str:  # a refusal's line up to its reason; any line's first sentence, to 50 characters
         if error.startswith(("PlanError: ", "SizeError: ")):
             error = error.partition(": ")[2].split(": ")[0]
         error = error.split(". ")[0]
-        return error if len(error) <= 80 else error[:80].rsplit(" ", 1)[0] + " ..."
+        return error if len(error) <= 50 else error[:50].rsplit(" ", 1)[0] + " ..."
 
     cells = {}
     for r in rows:
