@@ -2,7 +2,7 @@
 included), run in a plain HF trainer that imports no plan from this project (stock HF models,
 torch's `parallelize_module`, TP 2 + SP on gloo, torch's `checkpoint_wrapper`, per-block
 `torch.compile(fullgraph=True)`, AdamW), on a tied Llama; recipe B on Qwen3 with README's plan
-and with family_plan.py copied alone, and on OLMo 2 and a tied Gemma 3. Marked `recompile_proof`: CI runs it on the pinned torch and on
+and with family_plan.py copied, and on OLMo 2 and a tied Gemma 3. Marked `recompile_proof`: CI runs it on the pinned torch and on
 torch 2.10.0, where the bug lives.
 """
 
@@ -69,7 +69,8 @@ def run_block(code: str) -> dict:
 
 
 def copied_family_plan(folder: str):
-    """family_plan.py copied alone into `folder` and imported from there, as a user copies it."""
+    """family_plan.py copied into `folder` and imported from there, as a user copies it (its hybrid_plan and
+    hf_layout, the rest of README's copy list, are this project's)."""
     path = Path(folder) / "copied_family_plan.py"
     tmp = path.with_name(f"{path.name}.{os.getpid()}")  # every rank copies it: atomically, or another reads half
     tmp.write_text((HERE / "family_plan.py").read_text())
@@ -230,18 +231,21 @@ def test_readme_recipe_b_with_llamas_plan_refuses_qwen3_before_the_first_step(tm
 
 @pytest.mark.recompile_proof
 def test_readme_recipe_b_with_the_copied_family_plan_trains_qwen3_as_one_process(tmp_root):
-    """family_plan.py copied alone (it imports nothing from this project) plans q_norm and
-    k_norm: every parameter's step-1 gradient and every loss as one process's, in one graph."""
+    """family_plan.py copied (README's copy list: with hybrid_plan.py and hf_layout.py, which import nothing
+    else from this project) plans q_norm and k_norm: every parameter's step-1 gradient and every loss as one
+    process's, in one graph."""
     results = run_recipes(tmp_root)
     r, single = results["B on qwen3, family_plan.py"], results["qwen3, one process"]
     assert r["error"] is None, r["error"]
     assert (r["graphs"], r["recompile_reasons"]) == (1, []), r["recompile_reasons"]
     assert r["losses"] == pytest.approx(single["losses"], abs=1e-5)
     assert_every_gradient_matches(r, single)
-    tree = ast.parse((HERE / "family_plan.py").read_text())
-    imported = {(node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
-                for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
-    assert not imported & {p.stem for p in HERE.glob("*.py")}, f"family_plan.py imports {imported}"
+    copied = {"family_plan", "hybrid_plan", "hf_layout"}  # README's "Another family"
+    for name in copied:
+        tree = ast.parse((HERE / f"{name}.py").read_text())
+        imported = {(node.module if isinstance(node, ast.ImportFrom) else alias.name).split(".")[0]
+                    for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+        assert imported & {p.stem for p in HERE.glob("*.py")} <= copied, f"{name}.py imports {imported}"
 
 
 @pytest.mark.recompile_proof
