@@ -12,8 +12,8 @@ import torch
 from torch._dynamo import list_backends
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from checkpoint import MARKER, checkpoint_state
 import hub_folder
+from checkpoint import MARKER, checkpoint_state
 from model import DECODER_LAYERS, build_model, hf_config
 
 SCHEMA = {  # every key and its type, in config.toml's order

@@ -1,7 +1,8 @@
 """Every weight in HF's layout, as Shard rows, for DCP and the export, and back into the plan's: a fused
 weight's _StridedShard rows (family_plan.FusedColwiseParallel), and Gated DeltaNet's rows held by heads
 (hybrid_plan.RowsByHeads), each exchanged by one all-to-all in TP's group: no rank holds more than its rows.
-Beside family_plan.py: what only a checkpointing trainer needs of it."""
+Beside family_plan.py: what a checkpointing trainer needs of it, and the exchange (blocks_exchanged) its fused
+weights' forward makes on torch 2.10-2.11."""
 
 import math
 
@@ -10,7 +11,6 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._pytree import tree_map_with_path
-
 
 
 def in_hf_layout(state, config):
@@ -76,10 +76,11 @@ def rows_by_heads(config) -> dict[str, tuple]:
 def rows_reordered(value, parts: tuple, to_hf: bool):
     """A RowsByHeads weight, or its AdamW state, between rank order and HF's (Shard(0) rows of [q; k; v], as
     DCP and the export take them): one all-to-all in TP's group, no rank holding more than its rows."""
-    if not isinstance(value, DTensor):
-        return value
-    [i] = [i for i, p in enumerate(value.placements) if p.is_shard(0)]  # TP's: FSDP shards another dim
-    mesh, tp = value.device_mesh, value.device_mesh.size(i)
+    if not isinstance(value, DTensor) or "tp" not in (value.device_mesh.mesh_dim_names or ()):
+        return value  # no TP (FSDP alone): HF's rows
+    mesh = value.device_mesh
+    i = mesh.mesh_dim_names.index("tp")  # RowsByHeads's Shard(0); FSDP shards another dim
+    tp = mesh.size(i)
     unit = math.gcd(*parts) // tp  # rows in a block: each part's rank share is whole blocks
     counts = [part // tp // unit for part in parts]
     first = [tp * sum(counts[:p]) for p in range(len(parts))]  # each part's first block in HF's order

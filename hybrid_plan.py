@@ -48,7 +48,7 @@ class LinearAttentionHeads(ParallelStyle):
 class RowsByHeads(ColwiseParallel):
     """in_proj_qkv's and conv1d's weight, whose rows are q, k and v (`parts`; v another size): rank r
     holds its heads' rows of each, side by side, Shard(0) of the rows in rank order (`by_rank`), not HF's;
-    `in_hf_rows` gives HF's order back for checkpoints and exports."""
+    hf_layout.in_hf_layout gives HF's order back for checkpoints and exports."""
 
     def __init__(self, parts: tuple):
         super().__init__()
@@ -60,6 +60,8 @@ class RowsByHeads(ColwiseParallel):
         module.weight.rows_by_heads = self.parts  # FSDP shards another dim (family_plan.fsdp_shard_placement)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if device_mesh.mesh_dim_names != ("tp",):  # else hf_layout cannot tell its rows from FSDP's
+            raise ValueError(f"RowsByHeads needs a TP mesh named 'tp', not {device_mesh.mesh_dim_names}")
         if isinstance(module, nn.Linear):
             return super()._apply(module, device_mesh)
         return distribute_module(module, device_mesh, self._partition_linear_fn)  # conv1d: HF's forward reads its weight

@@ -34,14 +34,14 @@ def args(folders: dict, family: str, folder: Path, *more: str) -> list[str]:
 @pytest.fixture(scope="module")
 def run(folders):
     """run(family, nproc, dp_shard): (train.py's output, its checkpoint folder), 4 steps saved every 2; on one
-    process compile off; exported at the end but on dp_shard 2. Each launched once."""
+    process compile off; exported at the end. Each launched once."""
     runs = {}
 
     def launch(family: str, nproc: int, dp_shard: int = 1):
         if (family, nproc, dp_shard) not in runs:
             folder = folders["root"] / f"{family}-{nproc}-{dp_shard}"
             proc = _torchrun(*args(folders, family, folder, "--compile.enable", str(nproc > 1).lower(),
-                                   "--checkpoint.last_save_in_hf", str(dp_shard == 1).lower(),
+                                   "--checkpoint.last_save_in_hf", "true",
                                    "--parallelism.dp_shard", str(dp_shard), "--training.local_batch_size", str(2 // dp_shard)),
                              launcher=(f"--nproc_per_node={nproc}", f"--master_port={free_port()}"))
             assert proc.returncode == 0, proc.stderr[-3000:]
@@ -76,7 +76,7 @@ def test_a_composites_export_is_its_source_folder_with_the_trained_text_model(fo
     """step-4-hf/ has the source's architectures, model_type and tensor names (Gemma 3's as transformers 4
     wrote them); its vision tower and projector are the source's bit for bit; its text weights are the DCP
     checkpoint's, cast to bfloat16, and one process's export's (to bfloat16's rounding: the rows TP 2 holds
-    by heads are in HF's order); stock transformers loads it as the source's class."""
+    by heads are in HF's order), as are dp_shard 2 x tp 2's; stock transformers loads it as the source's class."""
     import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
     from transformers import AutoModelForImageTextToText
@@ -109,5 +109,9 @@ def test_a_composites_export_is_its_source_folder_with_the_trained_text_model(fo
     single = tensors(run(family, 1)[1] / "step-4-hf")
     for k in text:
         torch.testing.assert_close(after[k].float(), single[k].float(), rtol=1e-2, atol=1e-3, msg=k)
+    if family == "qwen3_5":  # FSDP over its rows by heads: dp_shard 2 x tp 2's export too
+        two_d = tensors(run(family, 4, 2)[1] / "step-4-hf")
+        for k in text:
+            torch.testing.assert_close(two_d[k].float(), single[k].float(), rtol=1e-2, atol=1e-3, msg=k)
     model = AutoModelForImageTextToText.from_pretrained(export)
     assert type(model).__name__ == source_config["architectures"][0]

@@ -97,7 +97,7 @@ def _heads_main(rank: int, port: int, out: str) -> None:
     whole = build_model({**SIZES, "linear_value_head_dim": 8, "linear_num_value_heads": 8})  # v: 64 rows, q and k: 32
     model = build_model({**SIZES, "linear_value_head_dim": 8, "linear_num_value_heads": 8})
     model.load_state_dict(whole.state_dict())
-    parallelize.apply_tp(model, init_device_mesh("cpu", (2,)), "stock", "norm_output")
+    parallelize.apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), "stock", "norm_output")
     wrong = []
     for name, p in model.named_parameters():
         if ".linear_attn." not in name:
