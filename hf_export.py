@@ -40,9 +40,10 @@ def save_hf(cfg: dict, step: int, model, tokenizer, log) -> None:
     weights = {names.get(name, name): w.detach().to(config.dtype) for name, w in weights.items()}
     others = {name: nbytes for name, (_, nbytes, _) in found.items() if name not in names.values()}
     max_bytes = cfg["checkpoint"]["hf_max_shard_mb"] * 10**6
-    files = hub_files({name: w.numel() * w.element_size() for name, w in weights.items()}, max_bytes)
+    sizes = {name: w.numel() * w.element_size() for name, w in weights.items()}
+    files = hub_files(sizes, max_bytes)
     files |= hub_files(others, max_bytes, first=max(files.values()) + 1)
-    size = sum(w.numel() * w.element_size() for w in weights.values()) + sum(others.values())
+    size = sum(sizes.values()) + sum(others.values())
     try:  # each step on every rank, then every rank hears of any rank's failure
         on_every_rank(tmp, remove, tmp, rank0_only=True)  # an unfinished export's, or a stray file
         on_every_rank(tmp, dcp.save, weights, storage_writer=HuggingFaceStorageWriter(  # a file per Hub file
