@@ -89,8 +89,9 @@ def keep_documents_apart_in_linear_attention() -> None:
     cannot keep packed documents apart. Given position_ids alone, their convolution window and recurrent state run
     on into the next document; given cu_seqlens or seq_idx, transformers refuses them without causal-conv1d and
     flash-linear-attention, GPU kernels (modelscope/ms-swift#9565; torchtitan's own Qwen3.5: pytorch/torchtitan#3892).
-    The two, replaced once: given `seq_idx` (each token's document, model.forward_logits), each restarts at
-    every document; without it, they are transformers'. Both take linear_attention_plan's DTensors as this
+    The two, replaced once: given `seq_idx` (each token's document, model.forward_logits), the convolution sums
+    only its own document's taps, and the library's chunked rule gets a decay of RESTART at each document's first
+    token, which multiplies the state before it by e^-40. Both take linear_attention_plan's DTensors as this
     rank's heads. test_hybrid.py says when this can go."""
     if getattr(modeling_qwen3_5.causal_conv1d_fn, "by_document", False):
         return
@@ -103,13 +104,19 @@ def keep_documents_apart_in_linear_attention() -> None:
         return causal_conv1d_by_document(x, weight, bias, activation, seq_idx)
 
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, seq_idx=None, **kwargs):
-        g, beta = local(g), local(beta)
-        if seq_idx is None:
-            return library_rule(query, key, value, g, beta, **kwargs)
-        return chunk_gated_delta_rule_by_document(query, key, value, g, beta, seq_idx, **kwargs)
+        g, beta = local(g), local(beta)  # g: [batch, length, heads], the log of the state's decay at each token
+        if seq_idx is not None:
+            first = F.pad(seq_idx[:, 1:] != seq_idx[:, :-1], (1, 0), value=True)
+            g = g.masked_fill(first[..., None], RESTART)
+        return library_rule(query, key, value, g, beta, **kwargs)
 
     causal_conv1d_fn.by_document = True
     modeling_qwen3_5.causal_conv1d_fn, modeling_qwen3_5.torch_chunk_gated_delta_rule = causal_conv1d_fn, torch_chunk_gated_delta_rule
+
+
+# The decay at a document's first token: the state before it times e^-40 (4e-18), nothing in float32; the
+# chunked rule only takes differences of its cumulative decays, so no exp(40) overflows.
+RESTART = -40.0
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -138,51 +145,6 @@ def causal_conv1d_by_document(x, weight, bias, activation, seq_idx):
               * (doc[:, width - 1 - j:width - 1 - j + length] == seq_idx)[:, None] for j in range(width))
     out = out if bias is None else out + bias[:, None]
     return (F.silu(out) if activation in ("silu", "swish") else out).to(x.dtype)
-
-
-def chunk_gated_delta_rule_by_document(query, key, value, g, beta, seq_idx, chunk_size: int = 64,
-                                       initial_state=None, output_final_state: bool = False,
-                                       use_qk_l2norm_in_kernel: bool = False, **kwargs):
-    """transformers 5.24.0's `torch_chunk_gated_delta_rule` (same arguments, same chunks), with the
-    recurrent state zero at each document's first token: the terms that join two documents are masked,
-    within a chunk (token pairs) and across chunks (the state read, written and carried)."""
-    if initial_state is not None:
-        raise ValueError("documents kept apart start from a zero state")
-    dtype, (batch, length, k_heads, _), v_heads = query.dtype, key.shape, value.shape[-2]
-    if k_heads != v_heads:  # each query/key head serves v_heads // k_heads consecutive value heads
-        query, key = (x.repeat_interleave(v_heads // k_heads, dim=2) for x in (query, key))
-    query, key, value, beta, g = (x.transpose(1, 2).float().contiguous() for x in (query, key, value, beta, g))
-    if use_qk_l2norm_in_kernel:
-        query, key = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (query, key))
-    query = query * query.shape[-1] ** -0.5
-    pad = (chunk_size - length % chunk_size) % chunk_size
-    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
-    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
-    doc = torch.cat([seq_idx, seq_idx[:, -1:].expand(-1, pad)], 1)[:, None].unflatten(-1, (-1, chunk_size))  # [b, 1, chunks, c]
-    chunks = lambda x: x.unflatten(2, (-1, chunk_size))  # noqa: E731
-    query, key, k_beta, v_beta = map(chunks, (query, key, key * beta[..., None], value * beta[..., None]))
-    cum = g.unflatten(2, (-1, chunk_size)).cumsum(-1)
-    before = torch.cat([doc[..., :1, :1], doc[..., :-1, -1:]], dim=2)  # the document of the token before each chunk
-    same = doc[..., :, None] == doc[..., None, :]  # token pairs of one document
-    carried_in, carried_out = (doc == before).float(), (doc == doc[..., -1:]).float()
-    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
-    pairwise = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp() * same
-    system = (k_beta @ key.transpose(-1, -2)) * pairwise
-    intra = (query @ key.transpose(-1, -2)) * pairwise
-    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(system, k_beta * (cum.exp() * carried_in)[..., None],
-                                               upper=False, unitriangular=True)
-    query = query * (cum.exp() * carried_in)[..., None]
-    key = key * ((cum[..., -1:] - cum).exp() * carried_out)[..., None]
-    chunk_decay = (cum[..., -1].exp() * (doc[..., -1] == before[..., 0]))[..., None, None]
-    state = query.new_zeros(batch, v_heads, key.shape[-1], value.shape[-1])
-    out = []
-    for i in range(cum.shape[2]):
-        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
-        out.append(query[:, :, i] @ state + intra[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
-    out = torch.stack(out, 2).flatten(2, 3)[:, :, :length]
-    return out.transpose(1, 2).to(dtype).contiguous(), state if output_final_state else None
 
 
 def a_frame_of_their_own(blocks: nn.ModuleList) -> None:
