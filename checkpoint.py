@@ -102,7 +102,7 @@ def training_state(model, optimizer, scheduler, position, step: int) -> dict:
     """Everything a resume needs; also the template that DCP loads into. Fused weights as Shard:
     HF's layout, which DCP takes (hf_layout.in_hf_layout). `position`: the data's
     (data.training_batches), with get_state/set_state as a torch.Generator."""
-    model_sd, optim_sd = in_hf_layout(get_state_dict(model, optimizer), model.config)
+    model_sd, optim_sd = in_hf_layout(get_state_dict(model, optimizer), model)
     return {"model": model_sd, "optim": optim_sd,
             "train": {"step": step, "scheduler": scheduler.state_dict(), "data_position": position.get_state()}}
 
@@ -181,7 +181,7 @@ def resume(cfg: dict, model, optimizer, scheduler, position, log) -> int:
         require_same_run(path, cfg, log, position=position)
         state = training_state(model, optimizer, scheduler, position, step)
         dcp.load(state, checkpoint_id=path)
-        model_sd, optim_sd = in_plan_layout((state["model"], state["optim"]), get_state_dict(model, optimizer), model.config)
+        model_sd, optim_sd = in_plan_layout((state["model"], state["optim"]), model)
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
         scheduler.load_state_dict(state["train"]["scheduler"])
         position.set_state(state["train"]["data_position"])
@@ -193,9 +193,9 @@ def resume(cfg: dict, model, optimizer, scheduler, position, log) -> int:
             load_hf(model, path)
         else:  # the model part of another run's DCP checkpoint; optimizer and schedule start fresh
             require_same_run(path, cfg, log, every_key=False)
-            state = {"model": in_hf_layout(get_model_state_dict(model), model.config)}
+            state = {"model": in_hf_layout(get_model_state_dict(model), model)}
             dcp.load(state, checkpoint_id=path)
-            set_model_state_dict(model, in_plan_layout(state["model"], get_model_state_dict(model), model.config))
+            set_model_state_dict(model, in_plan_layout(state["model"], model))
         log(f"checkpoint: none complete in {folder}; loaded the {'HF' if hf else 'DCP'} weights of "
             f"{path} in {time.perf_counter() - start:.1f} s, starting from step 1")
         return 0
@@ -251,11 +251,11 @@ def load_hf(model, path: Path) -> None:
     model: hub_folder.tensors), read by DCP's HuggingFaceStorageReader (slices, cast to the parameters'
     dtype); a tied lm_head is the embedding."""
     state = get_model_state_dict(model)  # HF's names -> this rank's shards, sharing the parameters' storage
-    plain = in_hf_layout(state, model.config)  # DCP reads into Shard rows of HF's layout
+    plain = in_hf_layout(state, model)  # DCP reads into Shard rows of HF's layout
     if model.config.tie_word_embeddings:
         del plain["lm_head.weight"]  # the embedding's parameter: loaded with it
     names, _ = hub_folder.tensors(path)
     dcp.load({names[name]: value for name, value in plain.items()}, storage_reader=HuggingFaceStorageReader(str(path)))
     if any(plain[name] is not state[name] for name in plain):  # fused weights, rows by heads: copies, set back
-        set_model_state_dict(model, in_plan_layout(plain, {name: state[name] for name in plain}, model.config),
+        set_model_state_dict(model, in_plan_layout(plain, model),
                              options=StateDictOptions(strict=False))  # a tied lm_head is not in plain

@@ -14,14 +14,12 @@ import inspect
 import re
 import textwrap
 
-import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
-from torch.distributed.tensor.placement_types import _StridedShard
 
-from hf_layout import blocks_exchanged, fused_placements
+from hf_layout import RowsByParts
 from hybrid_plan import GATED_DELTANETS, linear_attention_plan
 
 
@@ -34,9 +32,6 @@ ATTENTION_NORMS = ("input_layernorm", "attention_layernorm")  # the norm whose o
 MLP_PROJECTIONS = {"gate_proj": "in", "up_proj": "in", "c_fc": "in", "fc1": "in",
                    "down_proj": "out", "c_proj": "out", "fc2": "out", "gate_up_proj": "in"}
 FUSED_PARTS = {"gate_up_proj": 2, "qkv_proj": 3}  # HF's fused projections: [gate; up], [q; k; v]
-# linear and redistribute on a _StridedShard weight: measured to work on torch 2.12.0-2.15.0, to fail
-# on 2.10.0 and 2.11.0 (an assert in redistribute; pytorch/pytorch#171338 and its stack).
-STRIDED_LINEAR = torch.__version__ >= (2, 12)  # a TorchVersion
 FULL_SEQUENCE_MASKS = ("full_attention", "sliding_attention", "linear_attention")  # forward_logits's layer types
 # HF's layers pass attention's input by keyword: a with_kwargs pre-hook, whose id Dynamo guards on
 # per block on torch <= 2.10 (pytorch/pytorch#170110), a recompile per block there.
@@ -74,7 +69,7 @@ def attention_norm(block: nn.Module) -> str | None:
 
 
 def attention_plan(attn: nn.Module) -> dict:
-    """q, k, v column-wise (phi3's fused qkv_proj as FusedColwiseParallel), o row-wise back to
+    """q, k, v column-wise (phi3's fused qkv_proj as `fused_colwise`), o row-wise back to
     Shard(1); a per-head q/k norm as torchtitan's HF backend plans Qwen3's (each rank holds its own
     heads on dim 2, the weight's gradient summed); LocalHeads where attention counts its heads."""
     name, children = type(attn).__name__, dict(attn.named_children())
@@ -89,7 +84,7 @@ def attention_plan(attn: nn.Module) -> dict:
     if fused and (heads := attn.config.num_attention_heads) != (kv_heads := attn.config.num_key_value_heads):
         raise PlanError(f"{name}.qkv_proj fuses {heads} query heads with {kv_heads} key/value heads: "
                         "no one placement gives a rank its query heads and their key/value heads")
-    plan = {f"self_attn.{p}": FusedColwiseParallel(p) if p in FUSED_PARTS else ColwiseParallel() for p in projections[:-1]}
+    plan = {f"self_attn.{p}": fused_colwise(children[p], p) if p in FUSED_PARTS else ColwiseParallel() for p in projections[:-1]}
     plan["self_attn.o_proj"] = RowwiseParallel(output_layouts=Shard(1))
     if counts := "qkv_proj's slices" if fused else _global_head_reshape(type(attn)):
         if per_head := next((n for n, m in children.items() if n not in projections and
@@ -129,38 +124,16 @@ class NormAcrossShards(ParallelStyle):
             lambda _norm, output, mesh: output.redistribute(mesh, [Shard(-1)]).to_local())
 
 
-class FusedColwiseParallel(ColwiseParallel):
-    """Column-wise TP for a projection fusing equal parts ([gate; up], MHA's [q; k; v]): rank r computes
-    the r-th 1/TP of each, so that HF's split of its output is right, and `full_tensor()` is HF's layout:
-    a `_StridedShard` weight, or on torch 2.10-2.11 Shard(0) rows and parts_by_all_to_all."""
-
-    def __init__(self, name: str):
-        super().__init__()
-        self.parts = FUSED_PARTS[name]
-
-    def _partition_linear_fn(self, name, module, device_mesh):
-        placement = _StridedShard(0, split_factor=self.parts) if STRIDED_LINEAR else Shard(0)
-        for key, param in module.named_parameters():
-            module.register_parameter(key, nn.Parameter(distribute_tensor(param, device_mesh, [placement],
-                                                                          src_data_rank=self.src_data_rank)))
-
-    def _prepare_output_fn(self, output_layouts, use_local_output, mod, outputs, device_mesh):
-        local = outputs.to_local()  # from a _StridedShard weight: [part 0's r-th 1/TP; part 1's; ...]
-        return local if STRIDED_LINEAR else parts_by_all_to_all(local, self.parts, device_mesh)
-
-
-def parts_by_all_to_all(local: torch.Tensor, parts: int, mesh) -> torch.Tensor:
-    """Torch 2.10-2.11 (STRIDED_LINEAR): rank r's output from Shard(0) rows holds HF's column blocks
-    r*parts...; each rank needs the r-th 1/TP of each part, as from a _StridedShard weight."""
-    return blocks_exchanged(local, -1, parts, mesh, 0, to_strided=True)
+def fused_colwise(linear: nn.Linear, name: str) -> RowsByParts:
+    """A fused projection ([gate; up], MHA's [q; k; v]) column-wise: rank r computes the r-th 1/TP of each
+    part, so that HF's split of its output is right (hf_layout.RowsByParts)."""
+    return RowsByParts((linear.out_features // FUSED_PARTS[name],) * FUSED_PARTS[name])
 
 
 def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
-    """FSDP2's `shard_placement_fn`: Shard(1) for a fused weight, as FSDP's default Shard(0) over
-    its rows would be mislabelled (its `full_tensor()`, so the HF export, goes wrong in silence)."""
-    if getattr(param, "rows_by_heads", None):  # hybrid_plan.RowsByHeads: its rows are TP's (conv1d: [rows, 1, width])
-        return Shard(param.ndim - 1)
-    return Shard(1) if isinstance(param, DTensor) and fused_placements(param.placements) else None
+    """FSDP2's `shard_placement_fn`: Shard(1) (a conv1d's last dim) for RowsByParts's weights, whose rows TP
+    holds by parts (hf_layout.in_hf_layout reorders them within TP's group alone); else FSDP's Shard(0)."""
+    return Shard(param.ndim - 1) if getattr(param, "rows_by_parts", None) else None
 
 
 class LocalHeads(ParallelStyle):
@@ -196,7 +169,7 @@ def _global_head_reshape(attention_class: type) -> str | None:
 
 
 def mlp_plan(mlp: nn.Module) -> dict:
-    """The MLP's input projections column-wise (a fused [gate; up] as FusedColwiseParallel), its
+    """The MLP's input projections column-wise (a fused [gate; up] as `fused_colwise`), its
     output projection row-wise back to Shard(1)."""
     linears = [name for name, module in mlp.named_children() if isinstance(module, nn.Linear)]
     if not linears:
@@ -206,7 +179,7 @@ def mlp_plan(mlp: nn.Module) -> dict:
                         f"column-wise TP would split a fused projection ({unknown[0]}) across its parts")
     out = next(getattr(mlp, name) for name in linears if MLP_PROJECTIONS[name] == "out")
     return {**{f"mlp.{name}": RowwiseParallel(output_layouts=Shard(1)) if MLP_PROJECTIONS[name] == "out" else
-               FusedColwiseParallel(name) if name in FUSED_PARTS else ColwiseParallel()
+               fused_colwise(getattr(mlp, name), name) if name in FUSED_PARTS else ColwiseParallel()
                for name in linears}, **norms_plan(mlp, "mlp", {out.in_features: NormAcrossShards()})}
 
 

@@ -16,7 +16,7 @@ import report
 import train
 from config import validate
 from data import load_stdlib_bytes, random_windows
-from hf_layout import rows_by_heads, rows_reordered
+from hf_layout import rows_by_parts, rows_reordered
 
 HERE = Path(__file__).parent
 STEPS = 3
@@ -174,11 +174,11 @@ MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.at
 def whole_gradients(model) -> dict:
     """Every parameter's gradient, gathered whole (a collective: every rank calls it), by HF's name
     (without compile's and AC's wrapper prefixes)."""
-    grads, by_heads = {}, rows_by_heads(model.config)  # hybrid_plan.RowsByHeads's rows, in HF's order
+    grads, by_parts = {}, rows_by_parts(model)  # hf_layout.RowsByParts's rows, in HF's order
     for name, p in model.named_parameters():
         if p.grad is None:  # unused: none on either side
             continue
-        grad = rows_reordered(p.grad, by_heads[hf_name(name)], to_hf=True) if hf_name(name) in by_heads else p.grad
+        grad = rows_reordered(p.grad, by_parts[hf_name(name)], to_hf=True) if hf_name(name) in by_parts else p.grad
         grad = grad.full_tensor() if isinstance(grad, DTensor) else grad
         grads[hf_name(name)] = grad.detach().clone()
     return grads

@@ -33,7 +33,7 @@ def save_hf(cfg: dict, step: int, model, tokenizer, log) -> None:
     tmp = path.with_name(path.name + ".tmp")
     set_comm_timeout(cfg["comm"]["init_timeout_seconds"])  # the others wait while rank 0 writes
     config, source = export_config(cfg, tokenizer)
-    weights = in_hf_layout(get_model_state_dict(model), model.config)
+    weights = in_hf_layout(get_model_state_dict(model), model)
     if model.config.tie_word_embeddings:
         del weights["lm_head.weight"]  # as HF saves a tied model
     names, found = hub_folder.tensors(source) if source else ({}, {})

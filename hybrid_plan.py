@@ -10,6 +10,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_module, distribu
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
+from hf_layout import RowsByParts
+
 
 GATED_DELTANETS = (modeling_qwen3_5.Qwen3_5GatedDeltaNet,)  # the linear attention linear_attention_plan knows
 
@@ -22,8 +24,8 @@ def linear_attention_plan(gdn: nn.Module) -> dict:
     parts = (gdn.key_dim, gdn.key_dim, gdn.value_dim)  # in_proj_qkv's and conv1d's rows: [q; k; v]
     return {
         "linear_attn": LinearAttentionHeads(),
-        "linear_attn.in_proj_qkv": RowsByHeads(parts),
-        "linear_attn.conv1d": RowsByHeads(parts),
+        "linear_attn.in_proj_qkv": RowsByParts(parts),
+        "linear_attn.conv1d": RowsByParts(parts),
         "linear_attn.in_proj_z": ColwiseParallel(),
         "linear_attn.in_proj_a": ColwiseParallel(use_local_output=False),  # with A_log and dt_bias: g, a DTensor
         "linear_attn.in_proj_b": ColwiseParallel(use_local_output=False),
@@ -43,34 +45,6 @@ class LinearAttentionHeads(ParallelStyle):
         for name in ("A_log", "dt_bias"):
             module.register_parameter(name, nn.Parameter(distribute_tensor(getattr(module, name), device_mesh, [Shard(0)])))
         return module
-
-
-class RowsByHeads(ColwiseParallel):
-    """in_proj_qkv's and conv1d's weight, whose rows are q, k and v (`parts`; v another size): rank r
-    holds its heads' rows of each, side by side, Shard(0) of the rows in rank order (`by_rank`), not HF's;
-    hf_layout.in_hf_layout gives HF's order back for checkpoints and exports."""
-
-    def __init__(self, parts: tuple):
-        super().__init__()
-        self.parts = parts
-
-    def _partition_linear_fn(self, name, module, device_mesh):
-        weight = distribute_tensor(by_rank(module.weight.detach(), self.parts, device_mesh.size()), device_mesh, [Shard(0)])
-        module.register_parameter("weight", nn.Parameter(weight))
-        module.weight.rows_by_heads = self.parts  # FSDP shards another dim (family_plan.fsdp_shard_placement)
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        if device_mesh.mesh_dim_names != ("tp",):  # else hf_layout cannot tell its rows from FSDP's
-            raise ValueError(f"RowsByHeads needs a TP mesh named 'tp', not {device_mesh.mesh_dim_names}")
-        if isinstance(module, nn.Linear):
-            return super()._apply(module, device_mesh)
-        return distribute_module(module, device_mesh, self._partition_linear_fn)  # conv1d: HF's forward reads its weight
-
-
-def by_rank(rows: torch.Tensor, parts: tuple, tp: int) -> torch.Tensor:
-    """HF's rows [q; k; v] as [q_0; k_0; v_0; q_1; ...]: each part's r-th 1/tp, rank by rank."""
-    pieces = [part.chunk(tp) for part in rows.split(parts)]
-    return torch.cat([piece[r] for r in range(tp) for piece in pieces])
 
 
 class NormPerHead(ParallelStyle):

@@ -13,7 +13,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_layout import fused_placements
 
 
 class InitOps(TorchDispatchMode):
@@ -70,6 +69,8 @@ def materialize(model, ops, device: torch.device, seed: int, draw: bool = True) 
         param = getattr(*weight.owners[0])
         for module, attr in weight.owners[1:]:  # to_empty gives a plain tied parameter two copies
             setattr(module, attr, param)
+        if getattr(weight.owners[0][0], "rows_by_parts", None):  # TP's hf_layout.RowsByParts
+            weight.unreplayable = "its rows are held in rank order, no one slice of the whole"
     if draw:
         replay_init(ops, seed)
     for module in model.modules():
@@ -100,8 +101,6 @@ def piece(shape: tuple, param) -> tuple:
     """The slices of a full tensor of `shape` that this rank holds of `param`."""
     if not isinstance(param, DTensor):
         return tuple(slice(0, n) for n in shape)
-    if fused_placements(param.placements) or getattr(param, "rows_by_heads", None):
-        raise NotImplementedError(f"{param.placements}: a fused weight's rows, or rows by heads, are no one slice (hf_layout)")
     sizes, offsets = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
     return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
 

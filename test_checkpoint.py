@@ -456,7 +456,7 @@ def test_prune_never_deletes_a_complete_checkpoint_it_failed_to_read(tmp_root, t
     assert sorted(p.name for p in folder.iterdir()) == ["step-15", f"step-{CKPT_STEPS}"]
 
 
-# fused projections (family_plan.FusedColwiseParallel) under FSDP --------------------------
+# fused projections (hf_layout.RowsByParts) under FSDP --------------------------
 
 FUSED_FAMILIES = ("glm4", "phi3+mha")  # [gate; up]; phi3 also [q; k; v]
 
@@ -466,11 +466,11 @@ def _fused_family_main(rank: int, port: int, folder: str) -> None:
     fresh model resumed from it for steps 3-4; step 4 saved too, the HF weights as save_hf gathers
     them, and the logits of the trained model; those weights loaded by slices (checkpoint.load_hf)."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.tensor import DTensor
+
+    from hf_layout import in_hf_layout
 
     import checkpoint
     import parallelize
@@ -508,12 +508,7 @@ def _fused_family_main(rank: int, port: int, folder: str) -> None:
         generator = torch.Generator().manual_seed(t["seed"])
         uninterrupted = run(model, optimizer, scheduler, generator, dp_mesh, range(1, 5), 2)
         checkpoint.save(in_folder(family + "-end"), 4, model, optimizer, scheduler, generator, quiet)
-        try:  # what hf_layout.without_strided_shards works around
-            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=Path(folder, family + "-strided"))
-            strided_save = "saved"
-        except CheckpointException as e:  # a BaseException, on every rank
-            strided_save = str(e)
-        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        weights = {name: whole(w) for name, w in in_hf_layout(get_model_state_dict(model), model).items()}  # as save_hf's
         with torch.no_grad():
             logits = whole(train.forward_logits(model, x))
         hf = Path(folder, family + "-hf")
@@ -530,7 +525,7 @@ def _fused_family_main(rank: int, port: int, folder: str) -> None:
         checkpoint.load_hf(imported, hf)
         with torch.no_grad():
             imported_logits = whole(train.forward_logits(imported, x))
-        results[family] = {"uninterrupted": uninterrupted, "resumed": resumed, "strided_save": strided_save,
+        results[family] = {"uninterrupted": uninterrupted, "resumed": resumed,
                            "import_logits_diff": (imported_logits - logits).abs().max().item()}
     if rank == 0:
         Path(folder, "results.json").write_text(json.dumps(results))
@@ -538,9 +533,9 @@ def _fused_family_main(rank: int, port: int, folder: str) -> None:
 
 
 def test_fused_families_resume_and_export_exact_on_dp_shard_and_tp(tmp_path):
-    """glm4 and phi3 (MHA) on dp_shard 2 x tp 2: the fused weights are _StridedShard on TP and
-    Shard(1) on FSDP (family_plan.fsdp_shard_placement; FSDP's Shard(0) mislabels them: the
-    export's logits 3.0 off), and saved and loaded by DCP as Shard (it refuses _StridedShard).
+    """glm4 and phi3 (MHA) on dp_shard 2 x tp 2: the fused weights' rows are held by parts on TP
+    (hf_layout.RowsByParts) and Shard(1) on FSDP (family_plan.fsdp_shard_placement), saved and loaded by
+    DCP in HF's order (hf_layout.in_hf_layout).
     A DCP resume gives the uninterrupted losses, and the last checkpoint loads into one process as
     the HF export's weights (HF's layout, on another mesh); the HF export loads into one process
     with the trained model's logits, and back by slices into dp_shard 2 x tp 2."""
@@ -555,7 +550,6 @@ def test_fused_families_resume_and_export_exact_on_dp_shard_and_tp(tmp_path):
     for family in FUSED_FAMILIES:
         r, saved = results[family], torch.load(tmp_path / f"{family}.pt")
         assert r["resumed"] == r["uninterrupted"][2:], family
-        assert "overlapping chunks" in r["strided_save"], f"DCP saves _StridedShard now: drop without_strided_shards? {r}"
         one = build_family(family, small_config()["model"])
         one.load_state_dict(saved["weights"], strict=True)  # HF's names and layout
         with torch.no_grad():

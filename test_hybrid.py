@@ -116,9 +116,9 @@ def _heads_main(rank: int, port: int, out: str) -> None:
         if not (isinstance(p, DTensor) and mine.numel() * share == full.numel() and torch.equal(mine, expected)):
             wrong.append(name)
     state = model.state_dict()
-    hf = in_hf_layout(state, model.config)
+    hf = in_hf_layout(state, model)
     wrong += [f"in HF's order: {n}" for n, v in hf.items() if not torch.equal(v.full_tensor(), whole.state_dict()[n])]
-    back = in_plan_layout(hf, state, model.config)
+    back = in_plan_layout(hf, model)
     wrong += [f"back: {n}" for n, v in back.items() if not torch.equal(v.to_local(), state[n].to_local())]
     if rank == 0:
         Path(out).write_text(json.dumps(wrong))
