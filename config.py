@@ -16,17 +16,21 @@ import hub_folder
 from checkpoint import MARKER, checkpoint_state
 from model import DECODER_LAYERS, build_model, hf_config
 
-SCHEMA = {  # every key and its type, in config.toml's order
+DTYPES = ("float32", "bfloat16")  # FSDP2's MixedPrecisionPolicy, else autocast's (parallelize.autocast)
+SCHEMA = {  # every key and its type, or the values it may take, in config.toml's order
     "model": dict(hidden_size=int, num_hidden_layers=int, num_attention_heads=int, num_key_value_heads=int,
                   intermediate_size=int, vocab_size=int, tie_word_embeddings=bool, rms_norm_eps=float,
                   max_position_embeddings=int, attn_implementation=str,
                   rope_parameters=dict),  # any RoPE transformers' Llama takes, checked by LlamaConfig
     "training": dict(steps=int, local_batch_size=int, global_batch_size=int, seq_len=int, max_norm=float, seed=int,
-                     mixed_precision_param=str, mixed_precision_reduce=str, float32_matmul_precision=str),
+                     mixed_precision_param=DTYPES, mixed_precision_reduce=DTYPES,
+                     float32_matmul_precision=("highest", "high", "medium")),  # torch's names
     "optimizer": dict(lr=float, beta1=float, beta2=float, eps=float, weight_decay=float),  # torchtitan's names
-    "lr_scheduler": dict(warmup_steps=int, decay_ratio=float, decay_type=str, min_lr_factor=float),
-    "parallelism": dict(dp_shard=int, tp=int, decoder_layer=str, attention_gather=str, loss_parallel=bool),
-    "activation_checkpoint": dict(mode=str, selective_ac_option=str),
+    "lr_scheduler": dict(warmup_steps=int, decay_ratio=float, decay_type=("linear", "sqrt", "cosine"), min_lr_factor=float),
+    "parallelism": dict(dp_shard=int, tp=int, decoder_layer=tuple(DECODER_LAYERS),
+                        attention_gather=("pre_hook", "norm_output"),  # parallelize.block_plan
+                        loss_parallel=bool),
+    "activation_checkpoint": dict(mode=("full", "selective", "none"), selective_ac_option=str),
     "compile": dict(enable=bool, backend=str, fail_on_recompile=bool),
     "data": dict(path=str, split=str, text_field=str, tokenizer=str, cache_folder=str, max_bytes=int),
     "validation": dict(enable=bool, freq=int, steps=int, path=str),
@@ -36,11 +40,10 @@ SCHEMA = {  # every key and its type, in config.toml's order
     "comm": dict(init_timeout_seconds=int, train_timeout_seconds=int),
 }
 
-ATTENTION_GATHERS = ("pre_hook", "norm_output")  # parallelize.block_plan
+# Every number is positive (a float finite too) but these, which may be 0 or -1: checked where they are used.
 ZERO_OR_LESS = ("optimizer.beta1", "optimizer.beta2", "optimizer.weight_decay", "lr_scheduler.decay_ratio",
-                "lr_scheduler.min_lr_factor")  # floats that may be 0 (or -1), checked by check_optimizer
-DECAY_TYPES = ("linear", "sqrt", "cosine")  # torchtitan's lr_scheduler.decay_type
-DTYPES = ("float32", "bfloat16")  # FSDP2's MixedPrecisionPolicy, else autocast's (parallelize.autocast)
+                "lr_scheduler.min_lr_factor", "lr_scheduler.warmup_steps", "training.global_batch_size", "training.seed",
+                "parallelism.dp_shard", "parallelism.tp", "validation.steps", "checkpoint.keep_latest_k")
 
 
 class ConfigError(ValueError):
@@ -50,11 +53,6 @@ class ConfigError(ValueError):
 def require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
-
-
-def require_positive(table: dict, section: str, *keys: str) -> None:
-    for key in keys:
-        require(table[key] > 0, f"{section}.{key} = {table[key]} must be positive")
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, dict[str, object]]:
@@ -121,24 +119,24 @@ def validate(cfg: dict, world_size: int) -> None:
     if not cfg["data"]["tokenizer"] and c["initial_load_in_hf"]:  # the HF folder's tokenizer
         cfg["data"]["tokenizer"] = c["initial_load_path"]
     require(cfg["data"]["max_bytes"] >= 1_000_000, f"data.max_bytes = {cfg['data']['max_bytes']} must be >= 1000000")
-    require_positive(cfg["validation"], "validation", "freq")
     require(cfg["validation"]["steps"] >= 0, f"validation.steps = {cfg['validation']['steps']} must be >= 0")
-    require_positive(cfg["metrics"], "metrics", "log_freq")
     check_checkpoint(cfg["checkpoint"], cfg["model"])
-    require_positive(cfg["comm"], "comm", "init_timeout_seconds", "train_timeout_seconds")
 
 
 def check_table(values: dict, fields: dict, prefix: str = "") -> None:
-    """Every key of `fields` present with its type (a dict: a table checked the same way), no
-    other key. An int is taken where a float is asked for."""
+    """Every key of `fields` present with its type (a dict: a table checked the same way; a tuple: one of
+    its values), no other key. An int is taken where a float is asked for."""
     what = lambda key: f"key {prefix}{key}" if prefix else f"section [{key}]"  # noqa: E731 (top level: sections)
     for key in values:
         require(key in fields, f"unknown {what(key)}; known: {', '.join(fields)}")
     for key, typ in fields.items():
         name = f"{prefix}{key}"
-        kind = "table" if isinstance(typ, dict) or typ is dict else typ.__name__  # dict: a table of any keys
+        kind = "table" if isinstance(typ, dict) or typ is dict else "str" if isinstance(typ, tuple) else typ.__name__
         require(key in values, f"missing {what(key)}" + (f" ({kind})" if prefix else ""))
         value = values[key]
+        if isinstance(typ, tuple):
+            require(value in typ, f"{name} = {value!r} must be one of {list(typ)}")
+            continue
         if kind == "table":
             require(isinstance(value, dict), f"{name} = {value!r} must be a table")
             if isinstance(typ, dict):
@@ -148,15 +146,13 @@ def check_table(values: dict, fields: dict, prefix: str = "") -> None:
             values[key] = value = typ(value)  # 8 as 8.0; selective_ac_option = 2 as "2"
         require(isinstance(value, typ) and not (typ is int and isinstance(value, bool)),
                 f"{name} = {value!r} must be of type {kind}")
-        # Every float here is finite, and positive (lr, max_norm, rms_norm_eps, RoPE's) but for ZERO_OR_LESS's.
         positive = name not in ZERO_OR_LESS
+        require(typ is not int or value > 0 or not positive, f"{name} = {value} must be positive")
         require(typ is not float or (math.isfinite(value) and (value > 0 or not positive)),
                 f"{name} = {value} must be finite" + " and > 0" * positive)
 
 
 def check_model(m: dict) -> None:
-    require_positive(m, "model", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "intermediate_size", "vocab_size", "max_position_embeddings")
     for a, b in (("hidden_size", "num_attention_heads"), ("num_attention_heads", "num_key_value_heads")):
         require(m[a] % m[b] == 0, f"model.{a} = {m[a]} must be divisible by model.{b} = {m[b]}")
     if "model_type" not in m:  # config.toml's Llama keys; transformers has read a folder's RoPE
@@ -170,9 +166,8 @@ def check_model(m: dict) -> None:
             raise ConfigError(f"model.rope_parameters = {rope}: {problem}")
     require(m["attn_implementation"] != "flex_attention", "model.attn_implementation = 'flex_attention' is refused: "
             "torch 2.15 has no FlexAttention backward on CPU, and it has not trained on a GPU here; use 'sdpa'")
-    require(m["attn_implementation"] in ("sdpa", "eager"),
-            f"model.attn_implementation = {m['attn_implementation']!r} must be 'sdpa' or 'eager' "
-            "(the masks model.forward_logits builds for the whole sequence)")
+    require(m["attn_implementation"] in ("sdpa", "eager"), f"model.attn_implementation = {m['attn_implementation']!r} "
+            "must be one of ['sdpa', 'eager'] (the masks model.forward_logits builds for the whole sequence)")
 
 
 def rope_problem(m: dict) -> str | None:
@@ -191,13 +186,9 @@ def rope_problem(m: dict) -> str | None:
 
 
 def check_training(t: dict, m: dict) -> None:
-    require_positive(t, "training", "steps", "local_batch_size", "seq_len")
     require(t["seq_len"] <= m["max_position_embeddings"],
             f"training.seq_len = {t['seq_len']} must be <= model.max_position_embeddings = "
             f"{m['max_position_embeddings']}")
-    for key, allowed in (("mixed_precision_param", DTYPES), ("mixed_precision_reduce", DTYPES),
-                         ("float32_matmul_precision", ("highest", "high", "medium"))):  # torch's names
-        require(t[key] in allowed, f"training.{key} = {t[key]!r} must be one of {list(allowed)}")
 
 
 def check_optimizer(o: dict, s: dict) -> None:
@@ -206,7 +197,6 @@ def check_optimizer(o: dict, s: dict) -> None:
     require(s["warmup_steps"] >= 0, f"lr_scheduler.warmup_steps = {s['warmup_steps']} must be >= 0")
     require(s["decay_ratio"] == -1 or 0 < s["decay_ratio"] <= 1,
             f"lr_scheduler.decay_ratio = {s['decay_ratio']} must be in (0, 1], or -1 (every step after the warm-up)")
-    require(s["decay_type"] in DECAY_TYPES, f"lr_scheduler.decay_type = {s['decay_type']!r} must be one of {list(DECAY_TYPES)}")
     require(0 <= s["min_lr_factor"] <= 1, f"lr_scheduler.min_lr_factor = {s['min_lr_factor']} must be in [0, 1]")
 
 
@@ -224,10 +214,6 @@ def check_parallelism(cfg: dict, world_size: int) -> None:
                          ("model", "intermediate_size"), ("model", "vocab_size"), ("training", "seq_len")):
         value = cfg[section][key]
         require(value % tp == 0, f"{section}.{key} = {value} must be divisible by parallelism.tp = {tp}")
-    require(p["decoder_layer"] in DECODER_LAYERS,
-            f"parallelism.decoder_layer = {p['decoder_layer']!r} must be one of {list(DECODER_LAYERS)}")
-    require(p["attention_gather"] in ATTENTION_GATHERS,
-            f"parallelism.attention_gather = {p['attention_gather']!r} must be one of {list(ATTENTION_GATHERS)}")
     per_microbatch = t["local_batch_size"] * dp_shard
     require(t["global_batch_size"] == -1 or (t["global_batch_size"] > 0 and t["global_batch_size"] % per_microbatch == 0),
             f"training.global_batch_size = {t['global_batch_size']} must be -1 or a multiple of training.local_batch_size "
@@ -238,8 +224,6 @@ def check_parallelism(cfg: dict, world_size: int) -> None:
 
 
 def check_activation_checkpoint(ac: dict) -> None:
-    require(ac["mode"] in ("full", "selective", "none"),
-            f"activation_checkpoint.mode = {ac['mode']!r} must be 'full', 'selective' or 'none'")
     option = ac["selective_ac_option"]
     require(option == "op" or (option.isdigit() and int(option) > 0),
             f"activation_checkpoint.selective_ac_option = {option!r} must be 'op' or a positive integer")
@@ -253,8 +237,6 @@ def check_compile(comp: dict) -> None:
 
 def check_checkpoint(c: dict, model_cfg: dict) -> None:
     """[checkpoint]'s values, and whether initial_load_path fits [model]; nothing is written."""
-    require(c["interval"] > 0, f"checkpoint.interval = {c['interval']} must be positive")
-    require(c["hf_max_shard_mb"] > 0, f"checkpoint.hf_max_shard_mb = {c['hf_max_shard_mb']} must be positive")
     require(c["keep_latest_k"] >= 0, f"checkpoint.keep_latest_k = {c['keep_latest_k']} must be >= 0 (0 keeps all)")
     for key in ("initial_load_path", "initial_load_in_hf", "last_save_in_hf"):
         require(c["enable"] or not c[key], f"checkpoint.{key} needs checkpoint.enable = true")
