@@ -1,5 +1,5 @@
 """A TP plan for any HF decoder family, derived from the modules its blocks hold; the refusals of
-what it cannot make correct; and what FSDP2 needs for its fused weights (DCP's: hf_layout.py). For Llama blocks
+what it cannot make correct; and what FSDP2 needs for its fused weights (their rows: hf_layout.py). For Llama blocks
 it gives parallelize.LLAMA_BLOCK_PLAN (test_recompile). RESULTS.md, "Recipe B's reach": 66 families.
 
 With README's `plan`, recipe B and `both`: require_llama_layout_and_masks(model), parallelize_top, then

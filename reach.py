@@ -36,7 +36,7 @@ CAUSES = {
     "olmo2": "post-norm: attention's input gathered by keyword, a recompile per block on torch 2.10.0",
     "olmo3": "post-norm, as olmo2",
     "exaone4": "post-norm, as olmo2; sliding and full layers",
-    "glm": "a fused [gate; up]: _StridedShard rows; before torch 2.12 an all-to-all",
+    "glm": "a fused [gate; up]: its rows held by parts, hf_layout.RowsByParts",
     "glm4": "as glm",
     "phi3+mha": "Phi-3-mini's layout: fused [q; k; v] and [gate; up]",
     "apertus": "its MLP's xIELU activation has parameters",
