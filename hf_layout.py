@@ -32,8 +32,6 @@ class RowsByParts(ColwiseParallel):
         module.rows_by_parts = self.parts  # which in_hf_layout reorders
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        if device_mesh.mesh_dim_names != ("tp",):  # else rows_reordered cannot tell its rows from FSDP's
-            raise ValueError(f"RowsByParts needs a TP mesh named 'tp', not {device_mesh.mesh_dim_names}")
         if isinstance(module, nn.Linear):
             return super()._apply(module, device_mesh)
         return distribute_module(module, device_mesh, self._partition_linear_fn)  # conv1d: HF's forward reads its weight
@@ -77,10 +75,12 @@ def named(path, names: dict) -> str | None:
 def rows_reordered(value, parts: tuple, to_hf: bool):
     """A RowsByParts weight, or its AdamW state, between rank order and HF's (Shard(0) rows of [a; b; ...], as
     DCP and the export take them): one all-to-all in TP's group, no rank holding more than its rows."""
-    if not isinstance(value, DTensor) or "tp" not in (value.device_mesh.mesh_dim_names or ()):
-        return value  # no TP (FSDP alone): HF's rows
-    mesh = value.device_mesh
-    i = mesh.mesh_dim_names.index("tp")  # RowsByParts's Shard(0); FSDP shards another dim
+    if not isinstance(value, DTensor):
+        return value
+    mesh, names = value.device_mesh, value.device_mesh.mesh_dim_names or ()
+    if "tp" not in names and mesh.ndim > 1:  # FSDP's on TP's: FSDP shards another dim
+        raise ValueError(f"a RowsByParts weight on a mesh of dims {names or 'with no names'}: name TP's dim 'tp'")
+    i = names.index("tp") if "tp" in names else 0
     tp = mesh.size(i)
     unit = math.gcd(*parts) // tp  # rows in a block: each part's rank share is whole blocks
     counts = [part // tp // unit for part in parts]

@@ -236,7 +236,7 @@ def _fused_projection_main(rank: int, port: int, out: str) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     join_gloo(rank, TP, port)
-    mesh, result = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",)), {}
+    mesh, result = init_device_mesh("cpu", (TP,)), {}  # as README's users make it: no names
     for name, parts in FUSED_PARTS.items():
         for backend in (None, "aot_eager"):
             torch.manual_seed(0)
