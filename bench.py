@@ -418,7 +418,6 @@ def make_conversations(path: str, count: int) -> None:
     print(f"wrote {count:,} conversations from {len(answers):,} docstring paragraphs to {path}")
 
 
-
 def make_qwen3_5(folder: Path) -> None:
     """A vision + text Qwen3.5 folder as stock save_pretrained writes it, bf16: the text model at Qwen3.5-0.8B's
     widths (hidden 1024; attention 8 heads, 2 key/value heads of 256; linear attention 16 key and 16 value heads of

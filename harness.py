@@ -16,7 +16,7 @@ import report
 import train
 from config import validate
 from data import load_stdlib_bytes, random_windows
-from hf_layout import rows_by_parts, rows_reordered
+from hf_layout import rows_by_parts, rows_reordered, state_dict_name
 
 HERE = Path(__file__).parent
 STEPS = 3
@@ -184,9 +184,7 @@ def whole_gradients(model) -> dict:
     return grads
 
 
-def hf_name(name: str) -> str:
-    """A parameter's HF name, without compile's and AC's wrapper prefixes."""
-    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+hf_name = state_dict_name  # a parameter's HF name, without compile's and AC's wrapper prefixes
 
 
 def gradient_differences(grads_path: str, reference_path: str) -> dict:

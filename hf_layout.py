@@ -9,7 +9,7 @@ import re
 
 import torch
 import torch.nn as nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed._functional_collectives import all_to_all_single, wait_tensor
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.utils._pytree import tree_map_with_path
@@ -58,13 +58,15 @@ def in_plan_layout(state, model):
                               if (name := named(path, parts)) else value, state)
 
 
-WRAPPERS = re.compile(r"(_orig_mod|_checkpoint_wrapped_module)\.")  # compile's and AC's, not in state dicts' names
-
-
 def rows_by_parts(model: nn.Module) -> dict[str, tuple]:
     """{parameter name, as a state dict names it: its parts} of `model`'s RowsByParts weights."""
-    return {WRAPPERS.sub("", f"{name}.{key}"): module.rows_by_parts for name, module in model.named_modules()
+    return {state_dict_name(f"{name}.{key}"): module.rows_by_parts for name, module in model.named_modules()
             if hasattr(module, "rows_by_parts") for key, _ in module.named_parameters(recurse=False)}
+
+
+def state_dict_name(name: str) -> str:
+    """A parameter's name without compile's and AC's wrapper prefixes, as state dicts name it."""
+    return re.sub(r"(_orig_mod|_checkpoint_wrapped_module)\.", "", name)
 
 
 def named(path, names: dict) -> str | None:
@@ -100,6 +102,6 @@ def rows_moved(local: torch.Tensor, now: list, then: list, mesh, i: int) -> torc
     sent = sorted(now[r], key=lambda b: (owner[b], then[owner[b]].index(b)))
     blocks = local.unflatten(0, (len(now[r]), -1))[[now[r].index(b) for b in sent]].contiguous()
     came = [b for q in range(tp) for b in sorted((b for b in now[q] if owner[b] == r), key=then[r].index)]
-    received = all_to_all_single_autograd(blocks, [sum(owner[b] == r for b in now[q]) for q in range(tp)],
-                                          [sum(owner[b] == q for b in now[r]) for q in range(tp)], (mesh, i))
+    received = all_to_all_single(blocks, [sum(owner[b] == r for b in now[q]) for q in range(tp)],
+                                 [sum(owner[b] == q for b in now[r]) for q in range(tp)], (mesh, i))
     return received[[came.index(b) for b in then[r]]].flatten(0, 1)

@@ -58,6 +58,11 @@ class NormPerHead(ParallelStyle):
             lambda _norm, output, mesh: output.to_local())
 
 
+# The decay at a document's first token: the state before it times e^-40 (4e-18), nothing in float32; the
+# chunked rule only takes differences of its cumulative decays, so no exp(40) overflows.
+RESTART = -40.0
+
+
 def keep_documents_apart_in_linear_attention() -> None:
     """Workaround, transformers 5.24.0: Qwen3.5's torch kernels (`causal_conv1d_fn`, `torch_chunk_gated_delta_rule`)
     cannot keep packed documents apart. Given position_ids alone, their convolution window and recurrent state run
@@ -86,11 +91,6 @@ def keep_documents_apart_in_linear_attention() -> None:
 
     causal_conv1d_fn.by_document = True
     modeling_qwen3_5.causal_conv1d_fn, modeling_qwen3_5.torch_chunk_gated_delta_rule = causal_conv1d_fn, torch_chunk_gated_delta_rule
-
-
-# The decay at a document's first token: the state before it times e^-40 (4e-18), nothing in float32; the
-# chunked rule only takes differences of its cumulative decays, so no exp(40) overflows.
-RESTART = -40.0
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-
 class InitOps(TorchDispatchMode):
     """Every in-place op on an existing tensor, in order: (op, target, other args, kwargs)."""
 
